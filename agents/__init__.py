@@ -1,0 +1,1 @@
+"""orch node agents: start, supervise and report the ranks of one node."""

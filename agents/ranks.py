@@ -1,0 +1,215 @@
+"""Spawn, poll, signal and reap rank processes.
+
+Each rank runs in its own session (and so its own process group), so that one signal
+to the group reaches the rank and everything it started (data loader workers, a JIT
+compiler). Ranks also get ``PR_SET_PDEATHSIG=SIGKILL``: if the agent dies without
+stopping them, the kernel kills them. Because the kernel ties that signal to the
+*thread* that forked the child, ranks must be spawned from a thread that lives as long
+as the agent (the agent's main loop), never from a short-lived worker thread.
+
+Output (stdout and stderr merged) is copied line by line, unchanged, into the rank's
+log file and handed to a callback, which the agent uses to stream lines to the
+controller.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Sequence
+
+import psutil
+
+__all__ = ["RankExit", "RankProcess", "compose_env", "describe_returncode", "kill_marked", "stop_all", "MARKER_ENV"]
+
+#: Environment variable whose value tags every process of one attempt, so stragglers
+#: that left the rank's process group can still be found (see :func:`kill_marked`).
+MARKER_ENV = "ORCH_ATTEMPT_ID"
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except OSError:
+        pass
+
+
+def compose_env(base: Mapping[str, str], overlay: Mapping[str, str]) -> dict[str, str]:
+    """Return the environment of a rank: the node's ``base`` with ``overlay`` laid over it.
+
+    This is what ``deepspeed.launcher.launch`` and ``torchrun`` do: copy their own
+    ``os.environ`` and set the rank's variables on top.
+    """
+    env = dict(base)
+    env.update(overlay)
+    return env
+
+
+def describe_returncode(returncode: int) -> str:
+    """Return ``"exit code 3"`` or ``"signal SIGKILL"`` for a Popen return code."""
+    if returncode < 0:
+        try:
+            return f"signal {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"signal {-returncode}"
+    return f"exit code {returncode}"
+
+
+@dataclass(frozen=True)
+class RankExit:
+    """A rank that ended: which one and how. A rank's death is data, not an exception.
+
+    Attributes:
+        global_rank: the rank's global rank.
+        returncode: Popen's return code (negative: killed by that signal).
+        at: wall-clock time (``time.time()``) the exit was observed.
+    """
+
+    global_rank: int
+    returncode: int
+    at: float = field(default_factory=time.time)
+
+    @property
+    def ok(self) -> bool:
+        """True when the rank exited with status 0."""
+        return self.returncode == 0
+
+    def describe(self) -> str:
+        """E.g. ``"exit code 1"`` or ``"signal SIGKILL"``."""
+        return describe_returncode(self.returncode)
+
+
+class RankProcess:
+    """One rank's process: started in its own session, output copied to a log file.
+
+    Example::
+
+        p = RankProcess(0, ["python", "-u", "train.py"], env, "/work", "/logs/rank0.log")
+        p.start()
+        ...
+        if p.poll() is not None: ...
+        p.stop(grace=10.0)
+
+    Args:
+        global_rank: the rank's global rank (used in messages).
+        argv: the command line.
+        env: the complete environment of the process.
+        cwd: its working directory.
+        log_path: file its merged stdout/stderr is appended to, created with parents.
+        on_line: optional callback ``(global_rank, line: str)`` for every output line.
+    """
+
+    def __init__(self, global_rank: int, argv: Sequence[str], env: Mapping[str, str], cwd: str,
+                 log_path: str, on_line: Callable[[int, str], None] | None = None) -> None:
+        self.global_rank = global_rank
+        self.argv = list(argv)
+        self.env = dict(env)
+        self.cwd = cwd
+        self.log_path = log_path
+        self.on_line = on_line
+        self.popen: subprocess.Popen[bytes] | None = None
+        self._reader: threading.Thread | None = None
+
+    @property
+    def pid(self) -> int | None:
+        """The process id, or None before :meth:`start`."""
+        return self.popen.pid if self.popen else None
+
+    def start(self) -> None:
+        """Start the process.
+
+        Raises:
+            OSError: the executable cannot be started (not found, not executable).
+        """
+        os.makedirs(os.path.dirname(self.log_path) or ".", exist_ok=True)
+        self.popen = subprocess.Popen(
+            self.argv, env=self.env, cwd=self.cwd, stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+            preexec_fn=_die_with_parent, close_fds=True)
+        self._reader = threading.Thread(target=self._copy_output, daemon=True,
+                                        name=f"rank{self.global_rank}-output")
+        self._reader.start()
+
+    def _copy_output(self) -> None:
+        assert self.popen is not None and self.popen.stdout is not None
+        with open(self.log_path, "ab", buffering=0) as log:
+            for raw in iter(self.popen.stdout.readline, b""):
+                log.write(raw)
+                if self.on_line is not None:
+                    self.on_line(self.global_rank, raw.decode("utf-8", "replace").rstrip("\n"))
+
+    def poll(self) -> int | None:
+        """Return the return code if the process ended (reaping it), else None."""
+        return self.popen.poll() if self.popen else None
+
+    def signal_group(self, signum: int) -> None:
+        """Send ``signum`` to the rank's whole process group; a no-op once it is gone."""
+        if self.popen is None:
+            return
+        try:
+            os.killpg(self.popen.pid, signum)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        """Wait up to ``timeout`` seconds for the process to end; return its code or None."""
+        if self.popen is None:
+            return None
+        try:
+            return self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def join_output(self, timeout: float = 5.0) -> None:
+        """Wait until every output line has been copied (after the process ended)."""
+        if self._reader is not None:
+            self._reader.join(timeout)
+
+
+def stop_all(ranks: Sequence[RankProcess], grace: float) -> None:
+    """Stop ``ranks`` together: SIGTERM to every group, wait ``grace`` seconds, SIGKILL the rest.
+
+    The group is signalled even when the rank itself has already exited, so children
+    it left behind in its group are stopped too. Every process is reaped.
+    """
+    for r in ranks:
+        r.signal_group(signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for r in ranks:
+        r.wait(max(0.0, deadline - time.monotonic()))
+    for r in ranks:
+        r.signal_group(signal.SIGKILL)
+        r.wait(5.0)
+        r.join_output(1.0)
+
+
+def kill_marked(marker_value: str, *, exclude_pids: Sequence[int] = ()) -> list[int]:
+    """SIGKILL every process whose environment has ``ORCH_ATTEMPT_ID=marker_value``.
+
+    The last line of defence against stragglers that escaped their process group
+    (e.g. a rank that daemonized a child). Only processes we may read are considered.
+
+    Returns:
+        the pids that were killed.
+    """
+    killed = []
+    needle = marker_value
+    skip = set(exclude_pids) | {os.getpid()}
+    for proc in psutil.process_iter(["pid"]):
+        if proc.pid in skip:
+            continue
+        try:
+            if proc.environ().get(MARKER_ENV) == needle:
+                proc.kill()
+                killed.append(proc.pid)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, OSError):
+            continue
+    return killed

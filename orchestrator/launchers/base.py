@@ -1,0 +1,140 @@
+"""Types shared by every launcher: what a launcher is told, and what it answers.
+
+A launcher is a set of *pure* functions (no I/O, no ``os.environ``) from a
+:class:`LaunchContext` (the filtered resource pool plus how to run the script) to
+
+* the argv and environment of every rank on a node (:class:`RankLaunch`), exactly as
+  that launcher's real tool would give them, and
+* the command lines the real tool would have run (:class:`RealCommand`), so ``orch plan``
+  can show them beside ours.
+
+The agent lays each rank's ``env`` over its node's own environment (the environment
+the agent itself was started with), which is what a per-node launcher such as
+``deepspeed.launcher.launch`` or ``torchrun`` does with ``os.environ.copy()``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping, Protocol
+
+__all__ = ["LaunchContext", "RankLaunch", "RealCommand", "Launcher"]
+
+
+@dataclass(frozen=True)
+class LaunchContext:
+    """Everything a launcher needs to place ranks; built by ``orchestrator.plan``.
+
+    Attributes:
+        world: the filtered resource pool in node-rank order, as ``((host, (slot, ...)), ...)``;
+            the same mapping DeepSpeed encodes as ``--world_info``.
+        master_addr: address of node rank 0 that every rank rendezvouses at.
+        master_port: TCP port on ``master_addr`` (1..65535).
+        python: the interpreter ranks run under on every node (absolute path or a name on PATH).
+        entrypoint: the training script path (or module name when ``module``), as given.
+        args: the script's own arguments, in order.
+        workdir: absolute working directory of every rank.
+        module: run ``python -m entrypoint`` (DeepSpeed's ``--module``).
+        no_python: run the entrypoint directly, without the interpreter (``--no_python``).
+        no_local_rank: do not pass ``--local_rank=N`` to the script (``--no_local_rank``).
+        exports: variables exported to every rank on every node (the spec's ``env`` and the
+            ``.deepspeed_env`` file), in order; values are passed byte for byte.
+        run_id: the job's id (torchrun's ``--rdzv_id`` / ``TORCHELASTIC_RUN_ID``).
+        restart_count: how many attempts preceded this one (``TORCHELASTIC_RESTART_COUNT``).
+        max_restarts: torchrun's ``--max_restarts`` (``TORCHELASTIC_MAX_RESTARTS``).
+        hostfile: path of the hostfile, used only to render the real tool's command.
+        include: the include filter string as the user wrote it ("" if none).
+        exclude: the exclude filter string as the user wrote it ("" if none).
+        num_nodes: DeepSpeed's ``--num_nodes`` (-1 if unset).
+        num_gpus: DeepSpeed's ``--num_gpus`` (-1 if unset).
+        ssh_port: ssh port for pdsh's real command, or None.
+    """
+
+    world: tuple[tuple[str, tuple[int, ...]], ...]
+    master_addr: str
+    master_port: int
+    python: str
+    entrypoint: str
+    args: tuple[str, ...] = ()
+    workdir: str = "."
+    module: bool = False
+    no_python: bool = False
+    no_local_rank: bool = False
+    exports: Mapping[str, str] = field(default_factory=dict)
+    run_id: str = "none"
+    restart_count: int = 0
+    max_restarts: int = 0
+    hostfile: str | None = None
+    include: str = ""
+    exclude: str = ""
+    num_nodes: int = -1
+    num_gpus: int = -1
+    ssh_port: int | None = None
+
+    @property
+    def world_size(self) -> int:
+        """Total number of ranks across all nodes."""
+        return sum(len(slots) for _, slots in self.world)
+
+    @property
+    def hosts(self) -> tuple[str, ...]:
+        """Host names in node-rank order."""
+        return tuple(host for host, _ in self.world)
+
+
+@dataclass(frozen=True)
+class RankLaunch:
+    """How one rank is started on its node.
+
+    Attributes:
+        global_rank: the rank in the whole job (0..world_size-1).
+        local_rank: the rank on its node as the launcher reports it (``LOCAL_RANK``).
+        slot: the hostfile slot (accelerator index) this rank uses.
+        argv: the full command line, starting with the interpreter (unless no_python).
+        env: variables this launcher sets for the rank, laid over the node's environment.
+    """
+
+    global_rank: int
+    local_rank: int
+    slot: int
+    argv: tuple[str, ...]
+    env: Mapping[str, str]
+
+
+@dataclass(frozen=True)
+class RealCommand:
+    """A command the real tool would run, for display and golden tests.
+
+    Attributes:
+        where: the host it runs on, or ``None`` for "the machine the user types on".
+        argv: the command line, one element per argument.
+        env: variables the real tool sets in that command's own environment (e.g.
+            ``PDSH_RCMD_TYPE``), not the ranks'.
+    """
+
+    where: str | None
+    argv: tuple[str, ...]
+    env: Mapping[str, str] = field(default_factory=dict)
+
+
+class Launcher(Protocol):
+    """The interface every launcher module's launcher object satisfies."""
+
+    name: str
+
+    def ranks(self, ctx: LaunchContext, node_rank: int) -> list[RankLaunch]:
+        """Return the ranks of node ``node_rank`` in local order, with argv and env."""
+        ...
+
+    def real_commands(self, ctx: LaunchContext) -> list[RealCommand]:
+        """Return the command(s) the real tool would run for this job."""
+        ...
+
+    def agent_store(self, ctx: LaunchContext, node_rank: int) -> tuple[str, int] | None:
+        """Return ``(addr, port)`` of a c10d TCPStore the node's agent must host, or None.
+
+        torchrun's static rendezvous hosts the store on node 0's agent and its workers
+        join it as clients (``TORCHELASTIC_USE_AGENT_STORE=True``); DeepSpeed's launcher
+        hosts nothing (rank 0 creates the store).
+        """
+        ...
