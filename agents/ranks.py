@@ -30,6 +30,8 @@ __all__ = ["RankExit", "RankProcess", "compose_env", "describe_returncode", "kil
 #: Environment variable whose value tags every process of one attempt, so stragglers
 #: that left the rank's process group can still be found (see :func:`kill_marked`).
 MARKER_ENV = "ORCH_ATTEMPT_ID"
+#: Environment variable holding the node rank of a rank's node.
+NODE_RANK_ENV = "ORCH_NODE_RANK"
 
 _PR_SET_PDEATHSIG = 1
 
@@ -191,11 +193,14 @@ def stop_all(ranks: Sequence[RankProcess], grace: float) -> None:
         r.join_output(1.0)
 
 
-def kill_marked(marker_value: str, *, exclude_pids: Sequence[int] = ()) -> list[int]:
+def kill_marked(marker_value: str, *, node_rank: int | None = None,
+                exclude_pids: Sequence[int] = ()) -> list[int]:
     """SIGKILL every process whose environment has ``ORCH_ATTEMPT_ID=marker_value``.
 
     The last line of defence against stragglers that escaped their process group
     (e.g. a rank that daemonized a child). Only processes we may read are considered.
+    With ``node_rank``, only processes that also have ``ORCH_NODE_RANK=<node_rank>``
+    (so an agent sweeping its node spares the other nodes sharing its machine).
 
     Returns:
         the pids that were killed.
@@ -207,7 +212,9 @@ def kill_marked(marker_value: str, *, exclude_pids: Sequence[int] = ()) -> list[
         if proc.pid in skip:
             continue
         try:
-            if proc.environ().get(MARKER_ENV) == needle:
+            env = proc.environ()
+            if env.get(MARKER_ENV) == needle and (
+                    node_rank is None or env.get(NODE_RANK_ENV) == str(node_rank)):
                 proc.kill()
                 killed.append(proc.pid)
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, OSError):

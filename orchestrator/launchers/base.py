@@ -130,6 +130,14 @@ class Launcher(Protocol):
         """Return the command(s) the real tool would run for this job."""
         ...
 
+    def env_defaults(self, ctx: LaunchContext, node_rank: int) -> dict[str, str]:
+        """Variables the real tool sets on a node's ranks only where the node's environment lacks them."""
+        ...
+
+    def warnings(self, ctx: LaunchContext) -> list[str]:
+        """Where the real tool would have passed something differently than orch does."""
+        ...
+
     def agent_store(self, ctx: LaunchContext, node_rank: int) -> tuple[str, int] | None:
         """Return ``(addr, port)`` of a c10d TCPStore the node's agent must host, or None.
 

@@ -1,0 +1,209 @@
+"""The node agent: starts the ranks of one node, supervises them, reports to the controller.
+
+Run as ``python -m agents.agent``. It talks to its controller over stdin/stdout with
+the messages of :mod:`agents.link` (whatever carries them: a local pipe, an SSH
+channel). Its stdout is reserved for that stream: anything else printed to it (by a
+library, say) is moved to stderr, which is the agent's own log.
+
+Lifecycle, written once here for every provisioner:
+
+1. read ``start`` (the node's plan), answer ``hello``;
+2. host the c10d store the launcher asks for (torchrun's static rendezvous), if any;
+3. start every rank in its own session (:class:`agents.ranks.RankProcess`), answer
+   ``started`` (or ``spawn_failed`` and stop what was started);
+4. loop: report every rank exit (``rank_exit``), send ``heartbeat``s, obey ``stop``;
+5. stop the ranks (SIGTERM, the grace period, SIGKILL) when told to, when the
+   controller goes away (end of stream, or no message for ``lease_s`` seconds), or
+   on SIGTERM/SIGINT; then exit. No rank outlives its agent: ranks also carry
+   ``PR_SET_PDEATHSIG``.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import socket
+import sys
+import time
+from typing import Any
+
+from .link import MessageReader, MessageWriter
+from .ranks import RankProcess, describe_returncode, kill_marked, stop_all
+
+__all__ = ["Agent", "main"]
+
+
+class Agent:
+    """Supervises the ranks of one node for one attempt.
+
+    Args:
+        start: the ``start`` message: ``{"node": {...}, "attempt_id": str, "grace": float,
+            "heartbeat_s": float, "lease_s": float}``; ``node`` is a NodePlan dict
+            (``orchestrator.plan.NodePlan.to_dict``).
+        writer: where messages to the controller go.
+        inbox: messages from the controller (the reader's queue).
+        base_env: the node's environment that every rank's env is laid over.
+    """
+
+    def __init__(self, start: dict[str, Any], writer: MessageWriter,
+                 inbox: "queue.Queue[tuple[Any, dict]]", base_env: dict[str, str]) -> None:
+        self.node = start["node"]
+        self.attempt_id = start["attempt_id"]
+        self.grace = float(start.get("grace", 10.0))
+        self.heartbeat_s = float(start.get("heartbeat_s", 1.0))
+        self.lease_s = float(start.get("lease_s", 30.0))
+        self.writer = writer
+        self.inbox = inbox
+        self.base_env = base_env
+        self.ranks: list[RankProcess] = []
+        self.exited: dict[int, int] = {}
+        self._store = None
+        self._signalled: int | None = None
+
+    # -- steps ------------------------------------------------------------------------------
+
+    def run(self) -> int:
+        """Run the node to its end; return the agent's exit status (0: every rank exited 0)."""
+        self.writer.send({"type": "hello", "host": socket.gethostname(), "pid": os.getpid(),
+                          "python": sys.executable, "node_rank": self.node["node_rank"]})
+        if not self._host_store():
+            return 1
+        if not self._start_ranks():
+            return 1
+        return self._supervise()
+
+    def _host_store(self) -> bool:
+        store = self.node.get("agent_store")
+        if not store:
+            return True
+        try:
+            from datetime import timedelta
+
+            from torch.distributed import TCPStore
+            addr, port = store["addr"], int(store["port"])
+            # Hosted like torchrun's static rendezvous does on node 0 (multi-tenant, so
+            # rank 0's own store creation does not clash); never wait for clients here.
+            self._store = TCPStore(addr, port, None, True,
+                                   timedelta(seconds=float(store.get("timeout_s", 900))),
+                                   wait_for_workers=False, multi_tenant=True)
+            return True
+        except Exception as err:  # noqa: BLE001 - reported to the controller as data
+            self.writer.send({"type": "error", "message": f"cannot host the rendezvous store at "
+                              f"{store.get('addr')}:{store.get('port')}: {err}"})
+            return False
+
+    def _start_ranks(self) -> bool:
+        log_dir = self.node["log_dir"]
+        for r in self.node["ranks"]:
+            env = dict(self.base_env)
+            for key, value in self.node.get("env_defaults", {}).items():
+                env.setdefault(key, value)  # what the real launcher sets only where unset
+            env.update(r["env"])
+            proc = RankProcess(r["global_rank"], r["argv"], env, self.node["workdir"],
+                               os.path.join(log_dir, f"rank-{r['global_rank']}.log"))
+            try:
+                proc.start()
+            except OSError as err:
+                self.writer.send({"type": "spawn_failed", "global_rank": r["global_rank"],
+                                  "error": f"{err.strerror or err}: {r['argv'][0]}"})
+                self._stop("spawn failed")
+                return False
+            self.ranks.append(proc)
+        self.writer.send({"type": "started",
+                          "ranks": [{"global_rank": p.global_rank, "pid": p.pid} for p in self.ranks]})
+        return True
+
+    def _supervise(self) -> int:
+        last_heartbeat = last_heard = time.monotonic()
+        while True:
+            msg = self._next_message(0.05)
+            now = time.monotonic()
+            if msg is not None:
+                last_heard = now
+                kind = msg.get("type")
+                if kind == "stop":
+                    return self._stop(msg.get("reason", "stop requested"))
+                if kind == "eof":
+                    return self._stop("controller went away (end of stream)", report=False)
+            if self._signalled is not None:
+                return self._stop(f"agent received {signal.Signals(self._signalled).name}")
+            if now - last_heard > self.lease_s:
+                return self._stop(f"no word from the controller for {self.lease_s:.0f} s", report=False)
+            self._reap()
+            if len(self.exited) == len(self.ranks):
+                self.writer.send({"type": "done", "exits": {str(k): v for k, v in self.exited.items()}})
+                self._cleanup()
+                return 0 if all(v == 0 for v in self.exited.values()) else 1
+            if now - last_heartbeat >= self.heartbeat_s:
+                self.writer.send({"type": "heartbeat", "at": time.time()})
+                last_heartbeat = now
+
+    def _next_message(self, timeout: float) -> dict | None:
+        try:
+            return self.inbox.get(timeout=timeout)[1]
+        except queue.Empty:
+            return None
+
+    def _reap(self) -> None:
+        for proc in self.ranks:
+            if proc.global_rank in self.exited:
+                continue
+            code = proc.poll()
+            if code is None:
+                continue
+            self.exited[proc.global_rank] = code
+            self.writer.send({"type": "rank_exit", "global_rank": proc.global_rank, "returncode": code,
+                              "how": describe_returncode(code), "at": time.time()})
+
+    def _stop(self, reason: str, report: bool = True) -> int:
+        stop_all(self.ranks, self.grace)
+        self._reap()
+        self._cleanup()
+        if report:
+            self.writer.send({"type": "stopped", "reason": reason,
+                              "exits": {str(k): v for k, v in self.exited.items()}})
+        return 1
+
+    def _cleanup(self) -> None:
+        for proc in self.ranks:  # children a finished rank left in its group
+            proc.signal_group(signal.SIGKILL)
+        kill_marked(self.attempt_id, node_rank=self.node["node_rank"])
+        self._store = None
+
+    def on_signal(self, signum: int, _frame: Any) -> None:
+        """SIGTERM/SIGINT: stop the ranks at the next turn of the loop."""
+        self._signalled = signum
+
+
+def main() -> int:
+    """Entry point of ``python -m agents.agent``: serve one node over stdin/stdout."""
+    link_fd = os.dup(1)
+    os.dup2(2, 1)  # stray prints go to the agent log, not into the message stream
+    sys.stdout = os.fdopen(1, "w", buffering=1)
+    writer = MessageWriter(os.fdopen(link_fd, "wb", buffering=0))
+    inbox: "queue.Queue[tuple[Any, dict]]" = queue.Queue()
+    MessageReader(sys.stdin.buffer, name="controller-link", sink=inbox, tag="controller")
+    try:
+        _tag, first = inbox.get(timeout=60)
+    except queue.Empty:
+        print("agent: no start message within 60 s; exiting", file=sys.stderr)
+        return 2
+    if first.get("type") != "start":
+        print(f"agent: expected a start message, got {first.get('type')!r}; exiting", file=sys.stderr)
+        return 2
+    base_env = {k: v for k, v in os.environ.items() if not k.startswith("ORCH_AGENT_")}
+    agent = Agent(first, writer, inbox, base_env)
+    signal.signal(signal.SIGTERM, agent.on_signal)
+    signal.signal(signal.SIGINT, agent.on_signal)
+    signal.signal(signal.SIGHUP, agent.on_signal)
+    code = agent.run()
+    writer.close()
+    return code
+
+
+if __name__ == "__main__":
+    status = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)  # the link reader thread may still block on stdin: do not wait for it

@@ -1,0 +1,125 @@
+"""The agent's message stream to and from its controller: JSON objects, one per line.
+
+The same framing runs over any byte stream: a local agent's stdin/stdout pipes, an SSH
+channel's stdin/stdout, or a socket. Every message is a JSON object with a ``type``.
+
+Controller -> agent:
+    ``start`` {node, attempt_id, grace, heartbeat_s, lease_s}: the node's plan; start the ranks.
+    ``stop`` {reason}: stop every rank (SIGTERM, grace, SIGKILL), report, exit.
+    ``ping`` {}: keeps the agent's lease alive.
+
+Agent -> controller:
+    ``hello`` {host, pid, python}: the agent is up.
+    ``started`` {ranks: [{global_rank, pid}]}: every rank of the node was started.
+    ``spawn_failed`` {global_rank, error}: a rank could not be started.
+    ``rank_exit`` {global_rank, returncode, how, at}: a rank ended.
+    ``heartbeat`` {at}: the agent is alive (every ``heartbeat_s`` seconds).
+    ``stopped`` {reason, exits: {rank: returncode}}: ranks stopped on request; the agent exits.
+    ``done`` {}: every rank of the node ended by itself; the agent exits.
+    ``error`` {message}: the agent cannot go on; it stops its ranks and exits.
+
+A reader that reaches end-of-stream yields ``{"type": "eof"}`` once.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import threading
+from typing import IO, Any
+
+__all__ = ["MessageWriter", "MessageReader", "encode", "decode"]
+
+
+def encode(msg: dict[str, Any]) -> bytes:
+    """One message as a line of UTF-8 JSON (no embedded newlines: JSON escapes them)."""
+    return (json.dumps(msg, separators=(",", ":")) + "\n").encode("utf-8")
+
+
+def decode(line: bytes) -> dict[str, Any]:
+    """Parse one line; a line that is not a JSON object becomes ``{"type": "garbage", "line": ...}``."""
+    try:
+        msg = json.loads(line)
+    except (ValueError, UnicodeDecodeError):
+        return {"type": "garbage", "line": line.decode("utf-8", "replace")[:500]}
+    return msg if isinstance(msg, dict) and "type" in msg else {"type": "garbage", "line": str(msg)[:500]}
+
+
+class MessageWriter:
+    """Thread-safe writer of messages to a binary stream; errors after close are ignored."""
+
+    def __init__(self, stream: IO[bytes]) -> None:
+        self._stream = stream
+        self._lock = threading.Lock()
+        self.closed = False
+
+    def send(self, msg: dict[str, Any]) -> bool:
+        """Write ``msg`` and flush. Returns False if the stream is gone."""
+        data = encode(msg)
+        with self._lock:
+            if self.closed:
+                return False
+            try:
+                self._stream.write(data)
+                self._stream.flush()
+                return True
+            except (OSError, ValueError):
+                self.closed = True
+                return False
+
+    def close(self) -> None:
+        """Close the stream (the peer sees end-of-stream)."""
+        with self._lock:
+            self.closed = True
+            try:
+                self._stream.close()
+            except OSError:
+                pass
+
+
+class MessageReader:
+    """Reads messages from a binary stream on a daemon thread into a queue.
+
+    Example::
+
+        reader = MessageReader(proc.stdout, name="agent-0")
+        msg = reader.get(timeout=0.1)     # None on timeout; {"type": "eof"} at the end
+
+    Args:
+        stream: the binary stream to read lines from.
+        name: thread name, for debugging.
+        sink: optional ``queue.Queue`` to put ``(tag, msg)`` pairs into instead of the
+            reader's own queue (so one consumer can wait on many agents).
+        tag: the first element of those pairs.
+    """
+
+    def __init__(self, stream: IO[bytes], name: str = "link-reader",
+                 sink: "queue.Queue[tuple[Any, dict]] | None" = None, tag: Any = None) -> None:
+        self._stream = stream
+        self._queue: "queue.Queue[dict]" = queue.Queue()
+        self._sink = sink
+        self._tag = tag
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _put(self, msg: dict) -> None:
+        if self._sink is not None:
+            self._sink.put((self._tag, msg))
+        else:
+            self._queue.put(msg)
+
+    def _run(self) -> None:
+        try:
+            for line in iter(self._stream.readline, b""):
+                if line.strip():
+                    self._put(decode(line))
+        except (OSError, ValueError):
+            pass
+        self._put({"type": "eof"})
+
+    def get(self, timeout: float | None = None) -> dict | None:
+        """Next message, or None after ``timeout`` seconds (only without a sink)."""
+        try:
+            return self._queue.get(timeout=timeout)
+        except queue.Empty:
+            return None

@@ -1,0 +1,95 @@
+"""The HTTP API of ``orch server``: thin routes over a :class:`~orchestrator.controller.Controller`.
+
+Routes (JSON in and out; errors are ``{"error": message, "kind": ErrorClass}`` with 400,
+404 for an unknown job, 409 for an illegal state change):
+
+* ``GET  /api/health``                       liveness and the state directory
+* ``GET  /api/jobs``                         every job, newest first
+* ``POST /api/jobs``  ``{"spec": {...}}``     submit a job (spec paths absolute)
+* ``GET  /api/jobs/{id}``                    a job with its attempts and ranks
+* ``POST /api/jobs/{id}/cancel``             cancel it
+* ``POST /api/jobs/{id}/resume``             start a new attempt from the last complete checkpoint
+* ``GET  /api/jobs/{id}/events?since=N``     its history
+* ``GET  /api/jobs/{id}/plan?attempt=K``     an attempt's plan
+* ``GET  /api/jobs/{id}/logs?rank=R&attempt=K&offset=B``  a rank's log from byte B
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from . import __version__
+from .controller import Controller
+from .errors import NotFoundError, OrchError, StateError
+from .spec import spec_from_dict
+from .views import job_detail, job_summary, read_log
+
+__all__ = ["create_app"]
+
+
+def create_app(controller: Controller) -> FastAPI:
+    """Build the FastAPI app serving ``controller``."""
+    app = FastAPI(title="orch", version=__version__)
+    store = controller.store
+
+    @app.exception_handler(OrchError)
+    async def _orch_error(_request: Request, err: OrchError) -> JSONResponse:
+        status = 404 if isinstance(err, NotFoundError) else 409 if isinstance(err, StateError) else 400
+        return JSONResponse({"error": str(err), "kind": type(err).__name__}, status_code=status)
+
+    @app.exception_handler(ValueError)
+    async def _value_error(_request: Request, err: ValueError) -> JSONResponse:
+        return JSONResponse({"error": str(err), "kind": "ValueError"}, status_code=400)
+
+    @app.get("/api/health")
+    def health() -> dict[str, Any]:
+        return {"ok": True, "version": __version__, "state_dir": str(controller.state_dir),
+                "pid": controller.owner["pid"]}
+
+    @app.get("/api/jobs")
+    def list_jobs(limit: int = 100) -> list[dict[str, Any]]:
+        out = []
+        for job in store.list_jobs(limit):
+            attempt = store.get_attempt(job.id, job.attempt) if job.attempt else None
+            out.append(job_summary(job, attempt))
+        return out
+
+    @app.post("/api/jobs")
+    def submit(body: dict[str, Any]) -> dict[str, Any]:
+        spec = spec_from_dict(body.get("spec"), source=str(body.get("source", "<submitted spec>")))
+        job = controller.submit(spec)
+        return job_detail(store, job.id)
+
+    @app.get("/api/jobs/{job_id}")
+    def get_job(job_id: str) -> dict[str, Any]:
+        return job_detail(store, job_id)
+
+    @app.post("/api/jobs/{job_id}/cancel")
+    def cancel(job_id: str) -> dict[str, Any]:
+        job = controller.cancel(job_id)
+        return job_detail(store, job.id)
+
+    @app.post("/api/jobs/{job_id}/resume")
+    def resume(job_id: str) -> dict[str, Any]:
+        job = controller.resume(job_id)
+        return job_detail(store, job.id)
+
+    @app.get("/api/jobs/{job_id}/events")
+    def events(job_id: str, since: int = 0) -> list[dict[str, Any]]:
+        job = store.get_job(job_id)
+        return [e.to_dict() for e in store.events(job.id, since)]
+
+    @app.get("/api/jobs/{job_id}/plan")
+    def plan(job_id: str, attempt: int | None = None) -> dict[str, Any]:
+        job = store.get_job(job_id)
+        return store.get_attempt(job.id, attempt or job.attempt).plan
+
+    @app.get("/api/jobs/{job_id}/logs")
+    def logs(job_id: str, rank: int = 0, attempt: int | None = None, offset: int = 0,
+             limit: int = 1 << 20) -> dict[str, Any]:
+        return read_log(store, job_id, rank, attempt, offset, limit)
+
+    return app

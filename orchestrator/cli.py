@@ -1,0 +1,586 @@
+"""The ``orch`` command.
+
+``orch run`` and ``orch plan`` work on their own (the controller runs embedded in the
+command). ``orch server`` runs the controller as a service with an HTTP API; ``orch
+submit`` needs it, and ``list``, ``status``, ``logs``, ``cancel`` and ``resume`` use it
+when one is running for the state directory (or ``--server`` names one), and otherwise
+work on the state directory directly (``resume`` then runs the job in the foreground,
+like ``orch run``). Every command takes ``--output json`` for scripts.
+
+Exit status: 0 success (for ``run``/``resume``: the job SUCCEEDED); 1 the job FAILED or
+was cancelled; 2 bad input (spec, hostfile, filter, port...) or an unknown job; 130
+interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+from . import __version__
+from .errors import OrchError
+
+__all__ = ["main"]
+
+DEFAULT_PORT = 8470
+_console = Console(width=None if sys.stdout.isatty() else 200)
+_err = Console(stderr=True, width=None if sys.stderr.isatty() else 200)
+
+_STATE_STYLE = {"PENDING": "yellow", "PROVISIONING": "yellow", "RUNNING": "cyan", "SUCCEEDED": "green",
+                "FAILED": "bold red", "CANCELLED": "magenta", "running": "cyan", "exited": "green",
+                "failed": "bold red", "stopped": "magenta", "pending": "yellow", "not started": "dim"}
+
+
+# -- backends: the HTTP API, or the state directory itself ----------------------------------------
+
+
+class UsageError(OrchError):
+    """A command cannot be carried out as asked (e.g. submit with no server running)."""
+
+
+class StoreBackend:
+    """Reads the store directly; commands that change state use an embedded controller."""
+
+    def __init__(self, state_dir: Path) -> None:
+        from .store import Store
+        self.state_dir = state_dir
+        self.store = Store(state_dir / "orch.db")
+
+    def list(self) -> list[dict]:
+        from .views import job_summary
+        out = []
+        for job in self.store.list_jobs(1000):
+            attempt = self.store.get_attempt(job.id, job.attempt) if job.attempt else None
+            out.append(job_summary(job, attempt))
+        return out
+
+    def detail(self, job_id: str) -> dict:
+        from .views import job_detail
+        return job_detail(self.store, job_id)
+
+    def logs(self, job_id: str, rank: int, attempt: int | None, offset: int) -> dict:
+        from .views import read_log
+        return read_log(self.store, job_id, rank, attempt, offset)
+
+    def cancel(self, job_id: str) -> dict:
+        from .controller import Controller
+        c = Controller(self.state_dir)
+        try:
+            c.cancel(job_id)
+        finally:
+            c.close(cancel=False)
+        return self.detail(job_id)
+
+
+class HttpBackend:
+    """Talks to ``orch server``."""
+
+    def __init__(self, url: str) -> None:
+        import httpx
+        self.url = url.rstrip("/")
+        self.http = httpx.Client(base_url=self.url, timeout=60.0)
+
+    def _call(self, method: str, path: str, **kw: Any) -> Any:
+        import httpx
+        try:
+            r = self.http.request(method, path, **kw)
+        except httpx.HTTPError as err:
+            raise UsageError(f"Cannot reach the orch server at {self.url}: {err}.") from err
+        if r.status_code >= 400:
+            try:
+                body = r.json()
+                msg = body.get("error") or body.get("detail") or r.text
+            except ValueError:
+                msg = r.text
+            raise UsageError(str(msg))
+        return r.json()
+
+    def list(self) -> list[dict]:
+        return self._call("GET", "/api/jobs", params={"limit": 1000})
+
+    def detail(self, job_id: str) -> dict:
+        return self._call("GET", f"/api/jobs/{job_id}")
+
+    def logs(self, job_id: str, rank: int, attempt: int | None, offset: int) -> dict:
+        params: dict[str, Any] = {"rank": rank, "offset": offset}
+        if attempt:
+            params["attempt"] = attempt
+        return self._call("GET", f"/api/jobs/{job_id}/logs", params=params)
+
+    def cancel(self, job_id: str) -> dict:
+        return self._call("POST", f"/api/jobs/{job_id}/cancel")
+
+    def resume(self, job_id: str) -> dict:
+        return self._call("POST", f"/api/jobs/{job_id}/resume")
+
+    def submit(self, spec: dict, source: str) -> dict:
+        return self._call("POST", "/api/jobs", json={"spec": spec, "source": source})
+
+
+def _server_file(state_dir: Path) -> Path:
+    return state_dir / "server.json"
+
+
+def _find_server(args: argparse.Namespace) -> str | None:
+    """The URL of the server to use: --server/$ORCH_SERVER, else a live one recorded in the state dir."""
+    if args.server:
+        return args.server
+    path = _server_file(_state_dir(args))
+    try:
+        info = json.loads(path.read_text())
+        import psutil
+        if psutil.pid_exists(int(info["pid"])):
+            return str(info["url"])
+    except (OSError, ValueError, KeyError):
+        pass
+    return None
+
+
+def _backend(args: argparse.Namespace) -> StoreBackend | HttpBackend:
+    url = _find_server(args)
+    return HttpBackend(url) if url else StoreBackend(_state_dir(args))
+
+
+def _state_dir(args: argparse.Namespace) -> Path:
+    from .controller import default_state_dir
+    return Path(args.state_dir).expanduser().resolve() if args.state_dir else default_state_dir().resolve()
+
+
+# -- rendering ------------------------------------------------------------------------------------
+
+
+def _print_json(value: Any) -> None:
+    sys.stdout.write(json.dumps(value, indent=2, default=str) + "\n")
+
+
+def _styled(state: str) -> Text:
+    return Text(state, style=_STATE_STYLE.get(state, ""))
+
+
+def _ago(t: float | None) -> str:
+    if not t:
+        return "-"
+    s = max(0, int(time.time() - t))
+    return f"{s}s ago" if s < 120 else f"{s // 60}m ago" if s < 7200 else f"{s // 3600}h ago"
+
+
+def _fmt_loss(v: Any) -> str:
+    return "-" if v is None else f"{v:.4f}"
+
+
+def _ranks_table(detail: dict) -> Table:
+    t = Table(box=None, pad_edge=False)
+    for col in ("rank", "node", "local", "pid", "state", "step", "loss", "last output"):
+        t.add_column(col, overflow="ellipsis", no_wrap=col == "last output",
+                     max_width=60 if col == "last output" else None)
+    for r in detail.get("ranks", []):
+        state = r["state"] if r["returncode"] in (None, 0) else f"{r['state']} ({r.get('how')})"
+        t.add_row(str(r["global_rank"]), f"{r['host']} ({r['node_rank']})", str(r["local_rank"]),
+                  str(r["pid"] or "-"), _styled(state) if r["returncode"] in (None, 0) else Text(state, "bold red"),
+                  str(r["step"] if r["step"] is not None else "-"), _fmt_loss(r["loss"]),
+                  (r.get("last_line") or "")[:200])
+    return t
+
+
+def _header(detail: dict) -> Text:
+    t = Text()
+    t.append(f"job {detail['id']}  ", style="bold")
+    t.append_text(_styled(detail["state"]))
+    t.append(f"  attempt {detail['attempt']}  world size {detail.get('world_size', '-')}"
+             f"  master {detail.get('master_addr', '-')}:{detail.get('master_port', '-')}")
+    return t
+
+
+def _cause_lines(detail: dict) -> list[str]:
+    cause = detail.get("cause") or {}
+    lines = []
+    if cause.get("message"):
+        lines.append(f"cause: {cause['message']}")
+    tail = cause.get("log_tail") or []
+    if tail:
+        lines.append(f"last lines of rank {cause.get('global_rank')}'s log:")
+        lines += [f"  | {ln}" for ln in tail[-10:]]
+    return lines
+
+
+def _render_detail(detail: dict) -> Group:
+    parts: list[Any] = [_header(detail)]
+    for line in _cause_lines(detail):
+        parts.append(Text(line, style="red" if line.startswith("cause") else ""))
+    parts.append(_ranks_table(detail))
+    return Group(*parts)
+
+
+# -- commands -------------------------------------------------------------------------------------
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from .controller import prepare_plan
+    from .spec import load_spec
+    spec = load_spec(args.spec)
+    plan, _lease = prepare_plan(spec, _state_dir(args), f"{spec.name}-plan", hold_port=False)
+    if args.output == "json":
+        _print_json(plan.to_dict())
+        return 0
+    c = _console
+    c.print(Text(f"Plan for job '{plan.job_name}' (nothing started)", style="bold"))
+    c.print(f"launcher {plan.launcher}, provisioner {plan.provisioner}, {len(plan.nodes)} node(s), "
+            f"world size {plan.world_size}, master {plan.master_addr}:{plan.master_port}",
+            markup=False, highlight=False)
+    nodes = Table(title="Nodes", box=None, title_justify="left", pad_edge=False)
+    for col in ("node rank", "host", "slots", "global ranks"):
+        nodes.add_column(col)
+    for n in plan.nodes:
+        nodes.add_row(str(n.node_rank), n.host, ",".join(map(str, n.slots)),
+                      ",".join(str(r.global_rank) for r in n.ranks))
+    c.print(nodes)
+    pairs = plan.ranks()
+    envs = [dict(r.env) for _, r in pairs]
+    common = {k: v for k, v in envs[0].items() if all(e.get(k) == v for e in envs)}
+    c.print(Text("Environment of every rank (over its node's own):", style="bold"))
+    for k in sorted(common):
+        c.print(f"  {k}={shlex.quote(common[k])}", markup=False, highlight=False, soft_wrap=True)
+    ranks = Table(title="Ranks", box=None, title_justify="left", pad_edge=False)
+    for col in ("rank", "node", "local rank", "slot", "rank's own environment", "command line"):
+        ranks.add_column(col, overflow="fold")
+    for (n, r), env in zip(pairs, envs):
+        own = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(env.items()) if k not in common)
+        ranks.add_row(str(r.global_rank), f"{n.host} ({n.node_rank})", str(r.local_rank), str(r.slot), own,
+                      shlex.join(r.argv))
+    c.print(ranks)
+    defaults = {k: v for n in plan.nodes for k, v in n.env_defaults.items()}
+    if defaults:
+        c.print("Set where a node's environment lacks them: " +
+                " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(defaults.items())), markup=False,
+                highlight=False, soft_wrap=True)
+    c.print(Text(f"What the real {plan.launcher} launcher would run:", style="bold"))
+    for cmd in plan.real_commands:
+        where = f"on {cmd.where}" if cmd.where else "on the launching machine"
+        prefix = " ".join(f"{k}={shlex.quote(v)}" for k, v in cmd.env.items())
+        c.print(f"  {where}: {prefix + ' ' if prefix else ''}{shlex.join(cmd.argv)}", markup=False,
+                highlight=False, soft_wrap=True)
+    for w in plan.warnings:
+        _err.print(Text(f"warning: {w}", style="yellow"))
+    return 0
+
+
+def _follow_embedded(controller: Any, job_id: str, args: argparse.Namespace) -> int:
+    """Show a job's progress until it ends; Ctrl-C cancels it (twice: leave at once)."""
+    from .state import JobState
+    from .views import job_detail
+    interrupted = {"n": 0}
+
+    def on_sigint(_sig: int, _frame: Any) -> None:
+        interrupted["n"] += 1
+        if interrupted["n"] == 1:
+            _err.print("Cancelling the job (Ctrl-C again to leave at once)...")
+            controller.cancel(job_id)
+        else:
+            raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGINT, on_sigint)
+    signal.signal(signal.SIGTERM, on_sigint)
+    run = controller.active_run(job_id)
+    try:
+        if args.output == "json" or not sys.stdout.isatty():
+            _follow_plain(controller, job_id, run, args)
+        else:
+            with Live(_render_detail(job_detail(controller.store, job_id)), console=_console,
+                      refresh_per_second=4, transient=False) as live:
+                while run is not None and not run.done.wait(0.5):
+                    live.update(_render_detail(job_detail(controller.store, job_id)))
+                live.update(_render_detail(job_detail(controller.store, job_id)))
+    finally:
+        signal.signal(signal.SIGINT, old)
+    detail = job_detail(controller.store, job_id)
+    if args.output == "json":
+        _print_json(detail)
+    else:
+        _final_words(detail)
+    if interrupted["n"]:
+        return 130
+    return 0 if detail["state"] == JobState.SUCCEEDED.value else 1
+
+
+def _follow_plain(controller: Any, job_id: str, run: Any, args: argparse.Namespace) -> None:
+    """Progress as plain lines (no terminal, or --output json: then on stderr)."""
+    from .views import job_detail
+    out = _err if args.output == "json" else _console
+    last_state, last_print, last_steps = None, 0.0, None
+    while True:
+        finished = run is None or run.done.wait(0.5)
+        d = job_detail(controller.store, job_id)
+        if d["state"] != last_state:
+            out.print(f"[{time.strftime('%H:%M:%S')}] job {job_id} {d['state']} (attempt {d['attempt']})",
+                      markup=False, highlight=False)
+            last_state = d["state"]
+        steps = [(r["global_rank"], r["step"], r["loss"]) for r in d["ranks"]]
+        if steps != last_steps and time.monotonic() - last_print >= 5 and any(s[1] is not None for s in steps):
+            out.print(f"[{time.strftime('%H:%M:%S')}] " + "  ".join(
+                f"rank {g}: step {s} loss {_fmt_loss(lo)}" for g, s, lo in steps if s is not None),
+                markup=False, highlight=False)
+            last_print, last_steps = time.monotonic(), steps
+        if finished:
+            return
+
+
+def _final_words(detail: dict) -> None:
+    c = _console
+    c.print(_header(detail))
+    for line in _cause_lines(detail):
+        c.print(line, markup=False, highlight=False, style="red" if line.startswith("cause") else None)
+    if detail.get("run_dir"):
+        c.print(f"logs: {detail['run_dir']}/logs", markup=False, highlight=False)
+    if detail["state"] in ("FAILED", "CANCELLED"):
+        c.print(f"resume with: orch resume {detail['id']}", markup=False, highlight=False)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from .controller import Controller
+    from .spec import load_spec
+    spec = load_spec(args.spec)
+    controller = Controller(_state_dir(args))
+    try:
+        job = controller.submit(spec)
+        if args.output != "json":
+            _console.print(f"Submitted job {job.id} ({spec.launcher} launcher, state dir {controller.state_dir})",
+                           markup=False, highlight=False)
+        return _follow_embedded(controller, job.id, args)
+    finally:
+        controller.close(cancel=True)
+
+
+def cmd_resume(args: argparse.Namespace) -> int:
+    url = _find_server(args)
+    if url:
+        detail = HttpBackend(url).resume(args.job)
+        _emit_detail(detail, args, f"Resumed job {detail['id']}: attempt {detail['attempt']} from checkpoint "
+                                   f"{detail['attempts'][-1].get('resume_tag') or '(none: from the start)'}")
+        return 0
+    from .controller import Controller
+    controller = Controller(_state_dir(args))
+    try:
+        job = controller.resume(args.job)
+        attempt = controller.store.get_attempt(job.id, job.attempt)
+        if args.output != "json":
+            _console.print(f"Resuming job {job.id}: attempt {job.attempt} from checkpoint "
+                           f"{attempt.resume_tag or '(none found: from the start)'}", markup=False, highlight=False)
+        return _follow_embedded(controller, job.id, args)
+    finally:
+        controller.close(cancel=True)
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    from .spec import load_spec
+    spec = load_spec(args.spec)
+    url = _find_server(args)
+    if not url:
+        raise UsageError(f"No orch server is running for state dir {_state_dir(args)}. Start one with "
+                         "`orch server`, or run the job in the foreground with `orch run`.")
+    detail = HttpBackend(url).submit(spec.to_dict(), str(args.spec))
+    _emit_detail(detail, args, f"Submitted job {detail['id']}")
+    return 0
+
+
+def _emit_detail(detail: dict, args: argparse.Namespace, message: str) -> None:
+    if args.output == "json":
+        _print_json(detail)
+    else:
+        _console.print(message, markup=False, highlight=False)
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    jobs = _backend(args).list()
+    if args.output == "json":
+        _print_json(jobs)
+        return 0
+    if not jobs:
+        _console.print("No jobs yet. Run one with `orch run job.yaml`.")
+        return 0
+    t = Table(box=None, pad_edge=False)
+    for col in ("job", "state", "attempt", "restarts", "nodes", "world", "updated", "cause"):
+        t.add_column(col, overflow="ellipsis", max_width=70 if col == "cause" else None)
+    for j in jobs:
+        t.add_row(j["id"], _styled(j["state"]), str(j["attempt"]), str(j["restarts"]),
+                  ",".join(j.get("nodes") or []), str(j.get("world_size") or "-"), _ago(j["updated_at"]),
+                  j.get("cause_message") or "")
+    _console.print(t)
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    detail = _backend(args).detail(args.job)
+    if args.output == "json":
+        _print_json(detail)
+        return 0
+    c = _console
+    c.print(_header(detail))
+    attempts = Table(title="Attempts", box=None, title_justify="left", pad_edge=False)
+    for col in ("#", "state", "nodes", "world", "start checkpoint", "started", "cause"):
+        attempts.add_column(col, overflow="fold")
+    for a in detail["attempts"]:
+        attempts.add_row(str(a["number"]), _styled(a["state"]), ",".join(a["nodes"]), str(a["world_size"]),
+                         a["resume_tag"] or "-", _ago(a["created_at"]), (a.get("cause") or {}).get("message") or "")
+    c.print(attempts)
+    c.print(Text(f"Ranks of attempt {detail['attempt']}", style="bold"))
+    c.print(_ranks_table(detail))
+    for line in _cause_lines(detail)[1:]:
+        c.print(line, markup=False, highlight=False)
+    return 0
+
+
+def cmd_logs(args: argparse.Namespace) -> int:
+    backend = _backend(args)
+    detail = backend.detail(args.job)
+    ranks = [args.rank] if args.rank is not None else [r["global_rank"] for r in detail["ranks"]]
+    prefix = args.rank is None
+    offsets = {r: (-1 if args.tail else 0) for r in ranks}
+    while True:
+        all_eof = True
+        for r in ranks:
+            chunk = backend.logs(detail["id"], r, args.attempt, offsets[r])
+            offsets[r] = chunk["offset"]
+            all_eof &= chunk["eof"]
+            _write_lines(chunk["data"], f"[rank {r}] " if prefix else "", args.tail)
+        if not args.follow or all_eof:
+            return 0
+        time.sleep(0.5)
+
+
+def _write_lines(data: str, prefix: str, tail: int | None) -> None:
+    if not data:
+        return
+    lines = data.splitlines()
+    if tail:
+        lines = lines[-tail:]
+    sys.stdout.write("".join(f"{prefix}{ln}\n" for ln in lines))
+    sys.stdout.flush()
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    backend = _backend(args)
+    detail = backend.cancel(args.job)
+    if args.wait:
+        deadline = time.monotonic() + args.wait
+        while time.monotonic() < deadline:
+            detail = backend.detail(args.job)
+            if detail["state"] in ("SUCCEEDED", "FAILED", "CANCELLED") and \
+                    (not detail["attempts"] or detail["attempts"][-1]["stopped_at"]):
+                break
+            time.sleep(0.25)
+    _emit_detail(detail, args, f"Job {detail['id']}: {detail['state']}")
+    return 0
+
+
+def cmd_server(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from .api import create_app
+    from .controller import Controller
+    state_dir = _state_dir(args)
+    url = f"http://{args.host}:{args.port}"
+    controller = Controller(state_dir, owner_url=url)
+    recovered = controller.recover()
+    for job_id in recovered:
+        _err.print(f"job {job_id}: its controller had gone away; marked FAILED (resume it with orch resume)",
+                   markup=False, highlight=False)
+    import psutil
+    _server_file(state_dir).write_text(json.dumps({"url": url, "pid": os.getpid(),
+                                                   "create_time": psutil.Process().create_time()}))
+    _err.print(f"orch server {__version__} on {url} (state dir {state_dir})", markup=False, highlight=False)
+    try:
+        uvicorn.run(create_app(controller), host=args.host, port=args.port, log_level="warning")
+    finally:
+        _err.print("orch server stopping: cancelling the jobs it runs...")
+        controller.close(cancel=True)
+        try:
+            if json.loads(_server_file(state_dir).read_text()).get("pid") == os.getpid():
+                _server_file(state_dir).unlink()
+        except (OSError, ValueError):
+            pass
+    return 0
+
+
+# -- argument parsing -----------------------------------------------------------------------------
+
+
+def _parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--state-dir", default=None,
+                        help="where jobs, logs and checkpoints are kept (default: $ORCH_STATE_DIR or ~/.orch)")
+    common.add_argument("--output", "-o", choices=("table", "json"), default="table",
+                        help="output format: human tables (default) or JSON for scripts")
+    common.add_argument("--server", default=os.environ.get("ORCH_SERVER"),
+                        help="URL of an orch server (default: $ORCH_SERVER, else the one running for the state dir)")
+    p = argparse.ArgumentParser(
+        prog="orch", description="Run DeepSpeed ZeRO training jobs across nodes from a job spec: plan them, "
+        "supervise every rank, stop them cleanly, resume them from the last complete checkpoint.",
+        epilog="Start with: orch plan examples/quickstart.yaml, then orch run examples/quickstart.yaml")
+    p.add_argument("--version", action="version", version=f"orch {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    def add(name: str, func: Callable[[argparse.Namespace], int], help_: str) -> argparse.ArgumentParser:
+        sp = sub.add_parser(name, parents=[common], help=help_, description=help_)
+        sp.set_defaults(func=func)
+        return sp
+
+    sp = add("plan", cmd_plan, "Show where every rank of a job would run, with its environment and command "
+             "line, and the command the real launcher would run. Starts nothing.")
+    sp.add_argument("spec", help="job spec (YAML)")
+    sp = add("run", cmd_run, "Run a job in the foreground with live progress; exit 0 only if it succeeds. "
+             "Ctrl-C cancels it.")
+    sp.add_argument("spec", help="job spec (YAML)")
+    sp = add("server", cmd_server, "Run the controller as a service with an HTTP API.")
+    sp.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    sp.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port to listen on (default {DEFAULT_PORT})")
+    sp = add("submit", cmd_submit, "Submit a job to the running orch server and return at once.")
+    sp.add_argument("spec", help="job spec (YAML)")
+    add("list", cmd_list, "List jobs, newest first.")
+    sp = add("status", cmd_status, "Show a job: its attempts, their causes, and every rank's state and progress.")
+    sp.add_argument("job", help="job id (or a unique prefix)")
+    sp = add("logs", cmd_logs, "Print a job's rank logs (all ranks, each line prefixed, or one rank).")
+    sp.add_argument("job", help="job id (or a unique prefix)")
+    sp.add_argument("--rank", type=int, default=None, help="only this global rank, without prefixes")
+    sp.add_argument("--attempt", type=int, default=None, help="attempt number (default: the latest)")
+    sp.add_argument("--follow", "-f", action="store_true", help="keep printing new lines until the attempt stops")
+    sp.add_argument("--tail", type=int, default=None, metavar="N", help="only the last N lines of each log")
+    sp = add("cancel", cmd_cancel, "Cancel a job: every rank on every node is stopped within the grace period.")
+    sp.add_argument("job", help="job id (or a unique prefix)")
+    sp.add_argument("--wait", type=float, default=0, metavar="SECONDS",
+                    help="wait up to SECONDS for every process to be gone")
+    sp = add("resume", cmd_resume, "Start a new attempt of a FAILED or CANCELLED job from its last complete "
+             "checkpoint (in the foreground unless a server runs it).")
+    sp.add_argument("job", help="job id (or a unique prefix)")
+    return p
+
+
+def main(argv: Iterable[str] | None = None) -> int:
+    """Entry point of the ``orch`` console script; returns the exit status."""
+    args = _parser().parse_args(list(argv) if argv is not None else None)
+    try:
+        return args.func(args)
+    except OrchError as err:
+        if getattr(args, "output", None) == "json":
+            _print_json({"error": str(err), "kind": type(err).__name__})
+        _err.print(Text(f"error: {err}", style="red"))
+        return err.exit_code
+    except KeyboardInterrupt:
+        _err.print("interrupted")
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

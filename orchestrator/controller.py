@@ -1,0 +1,579 @@
+"""The controller: submit, supervise, cancel and resume jobs; the only writer of job state.
+
+One :class:`Controller` runs embedded in ``orch run`` or as the service behind ``orch
+server``. Each attempt of a job is supervised by an :class:`AttemptRun` thread that
+
+1. starts one agent per node through the spec's provisioner and sends it its plan;
+2. turns the agents' messages into state changes, one small handler per message type
+   (``started`` -> RUNNING once every node reported; a rank's non-zero exit, a spawn
+   failure, an agent's link closing early or its heartbeats stopping -> FAILED with a
+   cause; every rank exiting 0 -> SUCCEEDED);
+3. tears the attempt down whatever happened: tells every agent to stop its ranks
+   (SIGTERM, grace, SIGKILL), kills agents that do not go, sweeps any process still
+   marked with the attempt's id, releases the master port and records ``stopped_at``.
+
+Reaching FAILED does not wait for teardown, so the time to detect a failure is not
+hidden behind the grace period; :meth:`Controller.wait` waits for both.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import queue
+import secrets
+import shutil
+import socket
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+import psutil
+
+from .checkpoints import latest_complete
+from .errors import OrchError, ProvisionError, StateError
+from .hostfile import load_hostfile, resolve_pool
+from .launchers.deepspeed import ACCELERATOR_EXPORT_PREFIXES, deepspeed_env_files
+from .plan import JobPlan, PlanInputs, make_plan
+from .ports import PortLease, reserve_port
+from .provisioners import AgentHandle, Provisioner, get_provisioner
+from .spec import JobSpec, load_deepspeed_config, spec_from_dict
+from .state import JobState
+from .store import JobRecord, Store
+
+__all__ = ["Controller", "AttemptRun", "prepare_plan", "default_state_dir", "new_job_id", "rank_log_tail"]
+
+
+def default_state_dir() -> Path:
+    """``$ORCH_STATE_DIR``, else ``~/.orch``."""
+    return Path(os.environ.get("ORCH_STATE_DIR") or Path.home() / ".orch").expanduser()
+
+
+def new_job_id(name: str) -> str:
+    """``<name>-<6 hex digits>``."""
+    return f"{name}-{secrets.token_hex(3)}"
+
+
+def _deepspeed_env_lines(workdir: str) -> tuple[str, ...]:
+    """Lines of the ``.deepspeed_env`` files DeepSpeed's runner would read (home, then workdir)."""
+    lines: list[str] = []
+    for path in deepspeed_env_files(os.environ, os.path.expanduser("~"), workdir):
+        if os.path.isfile(path):
+            with open(path) as f:
+                lines += f.readlines()
+    return tuple(lines)
+
+
+def _accelerator_exports() -> tuple[str, ...]:
+    """``get_accelerator().export_envs()`` without importing DeepSpeed: by ``DS_ACCELERATOR``,
+    else CUDA when an NVIDIA device is present, else CPU."""
+    name = os.environ.get("DS_ACCELERATOR") or ("cuda" if os.path.exists("/dev/nvidiactl") else "cpu")
+    return tuple(ACCELERATOR_EXPORT_PREFIXES.get(name, ()))
+
+
+def _python(spec: JobSpec) -> str:
+    """The ranks' interpreter as an absolute path (the real launchers run their resolved one)."""
+    if not spec.python:
+        return sys.executable
+    return shutil.which(spec.python) or spec.python
+
+
+def prepare_plan(spec: JobSpec, state_dir: str | Path, job_id: str, *, attempt: int = 1,
+                 resume_tag: str | None = None, hold_port: bool = True) -> tuple[JobPlan, PortLease]:
+    """Gather what the planner needs (the I/O part) and plan one attempt.
+
+    Reads the hostfile, applies the filters, reads the DeepSpeed config, reserves the
+    master port, then calls the pure :func:`orchestrator.plan.make_plan`.
+
+    Args:
+        spec: the validated spec.
+        state_dir: orch's state directory (run directories, port locks).
+        job_id: the job's id.
+        attempt: 1-based attempt number.
+        resume_tag: the checkpoint tag to resume from, or None.
+        hold_port: keep the port reserved (False for ``orch plan``, which only looks).
+
+    Returns:
+        ``(plan, lease)``; release the lease when the attempt is over.
+
+    Raises:
+        OrchError: HostfileError, FilterError, SpecError, PlanError, LaunchError.
+    """
+    state_dir = Path(state_dir)
+    if spec.hostfile:
+        hosts = load_hostfile(spec.hostfile)
+        source = spec.hostfile
+    else:
+        hosts = collections.OrderedDict(localhost=spec.num_gpus if spec.num_gpus > 0 else 1)
+        source = "<no hostfile: localhost>"
+    pool = resolve_pool(hosts, spec.include, spec.exclude, spec.num_nodes, spec.num_gpus, source=source)
+    master_addr = spec.master_addr or "127.0.0.1"
+    lease = reserve_port(state_dir, spec.master_port, master_addr,
+                         check_bind=spec.provisioner == "local", hold=hold_port)
+    try:
+        job_dir = state_dir / "jobs" / job_id
+        inputs = PlanInputs(
+            job_id=job_id, attempt=attempt, master_port=lease.port,
+            run_dir=str((job_dir / f"attempt-{attempt}").resolve()),
+            checkpoint_dir=spec.checkpoint_dir or str((job_dir / "checkpoints").resolve()),
+            python=_python(spec), default_master_addr=master_addr,
+            resume_tag=resume_tag, controller_env=dict(os.environ), controller_cwd=spec.workdir,
+            deepspeed_env_lines=_deepspeed_env_lines(spec.workdir),
+            deepspeed_config=load_deepspeed_config(spec), accelerator_exports=_accelerator_exports())
+        return make_plan(spec, pool, inputs), lease
+    except BaseException:
+        lease.release()
+        raise
+
+
+def rank_log_tail(plan: dict, global_rank: int, lines: int = 20) -> list[str]:
+    """The last ``lines`` lines of a rank's log file (empty if it has none yet)."""
+    path = Path(plan["nodes"][0]["log_dir"]) / f"rank-{global_rank}.log"
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - 64 * 1024))
+            data = f.read()
+    except OSError:
+        return []
+    return [ln.decode("utf-8", "replace") for ln in data.splitlines()[-lines:]]
+
+
+class AttemptRun:
+    """Supervises one attempt of one job on its own thread (see the module docstring).
+
+    Args:
+        controller: the owning controller (its store, clock and settings).
+        spec: the job's spec.
+        plan: this attempt's plan.
+        lease: the master port reservation, released at teardown.
+        provisioner: starts the agents.
+    """
+
+    def __init__(self, controller: "Controller", spec: JobSpec, plan: JobPlan, lease: PortLease,
+                 provisioner: Provisioner) -> None:
+        self.c = controller
+        self.spec = spec
+        self.plan = plan
+        self.lease = lease
+        self.provisioner = provisioner
+        self.job_id = plan.job_id
+        self.events: "queue.Queue[tuple[int, dict]]" = queue.Queue()
+        self.agents: dict[int, AgentHandle] = {}
+        self.node_state: dict[int, str] = {n.node_rank: "starting" for n in plan.nodes}
+        self.last_heard: dict[int, float] = {}
+        self.exits: dict[int, int] = {}
+        self.state = JobState.PENDING
+        self.cancel_event = threading.Event()
+        self.done = threading.Event()
+        self._rank_node = {r.global_rank: n for n, r in plan.ranks()}
+        self._thread = threading.Thread(target=self._main, name=f"attempt-{plan.attempt_id}", daemon=True)
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start supervising on a new thread."""
+        self._thread.start()
+
+    def _main(self) -> None:
+        try:
+            self._set(JobState.PROVISIONING)
+            self._provision()
+            while not self.state.is_terminal():
+                self._turn()
+        except Exception as err:  # an orch bug must still leave nothing running
+            self._log(traceback.format_exc())
+            self._fail({"kind": "internal_error", "message": f"orch internal error: {err!r} "
+                        f"(details in {self.plan.run_dir}/controller.log)"})
+        finally:
+            self._teardown()
+
+    def _provision(self) -> None:
+        start_msg = {"type": "start", "attempt_id": self.plan.attempt_id, "grace": self.plan.grace,
+                     "heartbeat_s": self.c.heartbeat_s, "lease_s": self.c.agent_lease_s}
+        for node in self.plan.nodes:
+            if self.cancel_event.is_set():
+                return self._finish_cancelled()
+            try:
+                handle = self.provisioner.start_agent(node, self.plan, self.events)
+            except ProvisionError as err:
+                return self._fail({"kind": "provision_failed", "node": node.host, "node_rank": node.node_rank,
+                                   "message": str(err)})
+            self.agents[node.node_rank] = handle
+            self.last_heard[node.node_rank] = time.monotonic()
+            handle.send({**start_msg, "node": node.to_dict()})
+
+    def _turn(self) -> None:
+        try:
+            node_rank, msg = self.events.get(timeout=0.1)
+        except queue.Empty:
+            node_rank, msg = None, None
+        if msg is not None:
+            self.last_heard[node_rank] = time.monotonic()
+            handler = getattr(self, f"_on_{msg.get('type')}", self._on_unknown)
+            handler(node_rank, msg)
+        if self.cancel_event.is_set() and not self.state.is_terminal():
+            self._finish_cancelled()
+        self._check_heartbeats()
+
+    # -- message handlers ---------------------------------------------------------------------
+
+    def _on_hello(self, node_rank: int, msg: dict) -> None:
+        self.node_state[node_rank] = "up"
+        self.c.store.add_event(self.job_id, self.plan.attempt, "agent_up",
+                               {"node_rank": node_rank, "host": self._host(node_rank), "pid": msg.get("pid")})
+
+    def _on_started(self, node_rank: int, msg: dict) -> None:
+        self.node_state[node_rank] = "running"
+        self.c.store.add_event(self.job_id, self.plan.attempt, "ranks_started",
+                               {"node_rank": node_rank, "host": self._host(node_rank), "ranks": msg.get("ranks", [])})
+        if self.state == JobState.PROVISIONING and all(
+                s in ("running", "done") for s in self.node_state.values()):
+            self._set(JobState.RUNNING)
+
+    def _on_rank_exit(self, node_rank: int, msg: dict) -> None:
+        rank, code = int(msg["global_rank"]), int(msg["returncode"])
+        self.exits[rank] = code
+        self.c.store.add_event(self.job_id, self.plan.attempt, "rank_exit",
+                               {"global_rank": rank, "node_rank": node_rank, "host": self._host(node_rank),
+                                "returncode": code, "how": msg.get("how")})
+        if code != 0:
+            node = self._rank_node[rank]
+            local = next(r.local_rank for r in node.ranks if r.global_rank == rank)
+            self._fail({"kind": "rank_exit", "global_rank": rank, "local_rank": local, "node": node.host,
+                        "node_rank": node.node_rank, "returncode": code,
+                        "message": f"rank {rank} (local rank {local}) on {node.host} (node {node.node_rank}) "
+                                   f"exited with {msg.get('how') or code}",
+                        "log_tail": rank_log_tail(self.plan.to_dict(), rank)})
+
+    def _on_done(self, node_rank: int, msg: dict) -> None:
+        self.node_state[node_rank] = "done"
+        if all(s == "done" for s in self.node_state.values()) and not self.state.is_terminal():
+            if len(self.exits) == self.plan.world_size and all(c == 0 for c in self.exits.values()):
+                self._set(JobState.SUCCEEDED)
+
+    def _on_stopped(self, node_rank: int, msg: dict) -> None:
+        self.node_state[node_rank] = "stopped"
+
+    def _on_spawn_failed(self, node_rank: int, msg: dict) -> None:
+        self._fail({"kind": "spawn_failed", "node": self._host(node_rank), "node_rank": node_rank,
+                    "global_rank": msg.get("global_rank"),
+                    "message": f"rank {msg.get('global_rank')} on {self._host(node_rank)} (node {node_rank}) "
+                               f"could not be started: {msg.get('error')}"})
+
+    def _on_error(self, node_rank: int, msg: dict) -> None:
+        self._fail({"kind": "agent_error", "node": self._host(node_rank), "node_rank": node_rank,
+                    "message": f"the agent on {self._host(node_rank)} (node {node_rank}) failed: {msg.get('message')}"})
+
+    def _on_eof(self, node_rank: int, msg: dict) -> None:
+        if self.node_state.get(node_rank) not in ("done", "stopped"):
+            self.node_state[node_rank] = "gone"
+            self._fail({"kind": "node_lost", "node": self._host(node_rank), "node_rank": node_rank,
+                        "message": f"node lost: the agent on {self._host(node_rank)} (node {node_rank}) "
+                                   "went away (its link closed)"})
+
+    def _on_heartbeat(self, node_rank: int, msg: dict) -> None:
+        pass
+
+    def _on_unknown(self, node_rank: int, msg: dict) -> None:
+        self.c.store.add_event(self.job_id, self.plan.attempt, "agent_message",
+                               {"node_rank": node_rank, "message": msg})
+
+    def _check_heartbeats(self) -> None:
+        if self.state.is_terminal():
+            return
+        now = time.monotonic()
+        for node_rank, heard in self.last_heard.items():
+            if self.node_state[node_rank] in ("done", "stopped", "gone"):
+                continue
+            if now - heard > self.c.node_timeout_s:
+                self._fail({"kind": "node_lost", "node": self._host(node_rank), "node_rank": node_rank,
+                            "message": f"node lost: no heartbeat from the agent on {self._host(node_rank)} "
+                                       f"(node {node_rank}) for {now - heard:.1f} s"})
+                return
+
+    # -- state --------------------------------------------------------------------------------
+
+    def _host(self, node_rank: int) -> str:
+        return self.plan.nodes[node_rank].host
+
+    def _set(self, state: JobState, cause: dict | None = None) -> None:
+        self.c.store.set_state(self.job_id, state, cause=cause)
+        self.state = state
+
+    def _fail(self, cause: dict) -> None:
+        if self.state.is_terminal():
+            self.c.store.add_event(self.job_id, self.plan.attempt, "later_failure", cause)
+            return
+        self._set(JobState.FAILED, cause)
+
+    def _finish_cancelled(self) -> None:
+        if not self.state.is_terminal():
+            self._set(JobState.CANCELLED, {"kind": "cancelled", "message": "cancelled by the user"})
+
+    def _log(self, text: str) -> None:
+        os.makedirs(self.plan.run_dir, exist_ok=True)
+        with open(os.path.join(self.plan.run_dir, "controller.log"), "a") as f:
+            f.write(text + "\n")
+
+    # -- teardown -----------------------------------------------------------------------------
+
+    def _teardown(self) -> None:
+        try:
+            reason = (self.c.store.get_job(self.job_id).cause or {}).get("message", "attempt ended")
+            for node_rank, handle in self.agents.items():
+                if self.node_state[node_rank] not in ("done", "stopped", "gone"):
+                    handle.send({"type": "stop", "reason": reason})
+            deadline = time.monotonic() + self.plan.grace + 5.0
+            for handle in self.agents.values():
+                while not handle.wait(0.1) and time.monotonic() < deadline:
+                    self._drain()
+            self._drain()
+            for handle in self.agents.values():
+                handle.close()
+                if not handle.wait(0.5):
+                    handle.kill()
+            swept = self.provisioner.sweep(self.plan)
+            if swept:
+                self.c.store.add_event(self.job_id, self.plan.attempt, "swept", {"pids": swept})
+        except Exception:  # noqa: BLE001 - teardown must finish
+            self._log(traceback.format_exc())
+        finally:
+            self.lease.release()
+            self.c.store.mark_stopped(self.job_id, self.plan.attempt)
+            self.c.store.set_owner(self.job_id, None)
+            self.done.set()
+
+    def _drain(self) -> None:
+        """Record what agents say while stopping (rank exits) without changing the state."""
+        while True:
+            try:
+                node_rank, msg = self.events.get_nowait()
+            except queue.Empty:
+                return
+            if msg.get("type") == "rank_exit":
+                self.exits[int(msg["global_rank"])] = int(msg["returncode"])
+                self.c.store.add_event(self.job_id, self.plan.attempt, "rank_exit",
+                                       {"global_rank": msg["global_rank"], "node_rank": node_rank,
+                                        "host": self._host(node_rank), "returncode": msg["returncode"],
+                                        "how": msg.get("how"), "during_teardown": True})
+            elif msg.get("type") in ("stopped", "done"):
+                self.node_state[node_rank] = msg["type"]
+            elif msg.get("type") == "eof" and self.node_state.get(node_rank) not in ("done", "stopped"):
+                self.node_state[node_rank] = "gone"
+
+
+class Controller:
+    """Runs jobs: plans them, supervises their attempts, keeps their state in the store.
+
+    Example::
+
+        c = Controller("~/.orch")
+        job = c.submit(load_spec("examples/quickstart.yaml"))
+        job = c.wait(job.id)            # terminal, every process gone
+        job.state                       # JobState.SUCCEEDED
+
+    Args:
+        state_dir: where the store, run directories and port locks live.
+        clock: wall clock for the store (epoch seconds); injectable for tests.
+        provisioner_factory: name -> Provisioner (tests may replace it).
+        heartbeat_s: how often agents send heartbeats.
+        node_timeout_s: silence after which a node counts as lost.
+        agent_lease_s: silence from the controller after which an agent stops its ranks.
+        owner_url: the API URL of this controller, recorded as the owner of its jobs.
+    """
+
+    def __init__(self, state_dir: str | Path | None = None, *, clock: Callable[[], float] = time.time,
+                 provisioner_factory: Callable[[str], Provisioner] = get_provisioner,
+                 heartbeat_s: float = 1.0, node_timeout_s: float = 10.0, agent_lease_s: float = 30.0,
+                 owner_url: str | None = None) -> None:
+        self.state_dir = Path(state_dir or default_state_dir()).expanduser().resolve()
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self.store = Store(self.state_dir / "orch.db", clock)
+        self.provisioner_factory = provisioner_factory
+        self.heartbeat_s = heartbeat_s
+        self.node_timeout_s = node_timeout_s
+        self.agent_lease_s = agent_lease_s
+        proc = psutil.Process()
+        self.owner = {"pid": proc.pid, "host": socket.gethostname(), "create_time": proc.create_time(),
+                      "url": owner_url}
+        self._runs: dict[str, AttemptRun] = {}
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self._watcher = threading.Thread(target=self._watch_requests, name="cancel-watcher", daemon=True)
+        self._watcher.start()
+
+    # -- queries ------------------------------------------------------------------------------
+
+    def get(self, job_id: str) -> JobRecord:
+        """The job (``job_id`` may be a unique prefix). Raises NotFoundError."""
+        return self.store.get_job(job_id)
+
+    def active_run(self, job_id: str) -> AttemptRun | None:
+        """The attempt this controller is supervising for the job, if any."""
+        with self._lock:
+            run = self._runs.get(job_id)
+        return run if run is not None and not run.done.is_set() else None
+
+    # -- commands -----------------------------------------------------------------------------
+
+    def submit(self, spec: JobSpec) -> JobRecord:
+        """Plan the job's first attempt and start it.
+
+        Planning happens before anything is stored or started, so a bad hostfile,
+        filter or port raises here and leaves no trace.
+
+        Raises:
+            OrchError: the job cannot be planned.
+        """
+        job_id = new_job_id(spec.name)
+        plan, lease = prepare_plan(spec, self.state_dir, job_id)
+        try:
+            provisioner = self.provisioner_factory(spec.provisioner)
+            self.store.create_job(job_id, spec.name, spec.to_dict(), owner=self.owner)
+        except BaseException:
+            lease.release()
+            raise
+        self._start_attempt(spec, plan, lease, provisioner)
+        return self.store.get_job(job_id)
+
+    def resume(self, job_id: str) -> JobRecord:
+        """Start a new attempt of a FAILED or CANCELLED job from its last complete checkpoint.
+
+        Raises:
+            NotFoundError: no such job.
+            StateError: the job is not FAILED or CANCELLED, or its last attempt is still stopping.
+            OrchError: the new attempt cannot be planned (the job stays as it was).
+        """
+        job = self.store.get_job(job_id)
+        if not job.state.is_resumable():
+            raise StateError(f"Job {job.id} is {job.state.value}; only FAILED or CANCELLED jobs can be resumed.")
+        run = self._runs.get(job.id)
+        if run is not None:
+            run.done.wait()
+        elif job.attempt and self.store.get_attempt(job.id, job.attempt).stopped_at is None \
+                and _owner_alive(job.owner):
+            raise StateError(f"Job {job.id}'s attempt {job.attempt} is still stopping; try again shortly.")
+        spec = spec_from_dict(job.spec, source=f"job {job.id}")
+        number = job.attempt + 1
+        ckpt_dir = spec.checkpoint_dir or str(self.state_dir / "jobs" / job.id / "checkpoints")
+        info, skipped = latest_complete(ckpt_dir)
+        plan, lease = prepare_plan(spec, self.state_dir, job.id, attempt=number,
+                                   resume_tag=info.tag if info else None)
+        try:
+            provisioner = self.provisioner_factory(spec.provisioner)
+            self.store.set_state(job.id, JobState.PENDING, data={
+                "resume_tag": info.tag if info else None,
+                "skipped_checkpoints": [{"tag": s.tag, "problems": list(s.problems)} for s in skipped]})
+            self.store.set_owner(job.id, self.owner)
+        except BaseException:
+            lease.release()
+            raise
+        self._start_attempt(spec, plan, lease, provisioner)
+        return self.store.get_job(job.id)
+
+    def cancel(self, job_id: str) -> JobRecord:
+        """Cancel a job: its ranks are stopped within the grace period.
+
+        A job run by another controller is cancelled through the store (that controller
+        polls for requests). Cancelling a job that already ended is a no-op.
+        """
+        job = self.store.get_job(job_id)
+        if job.state.is_terminal():
+            return job
+        run = self.active_run(job.id)
+        if run is not None:
+            run.cancel_event.set()
+        elif _owner_alive(job.owner):
+            self.store.request_cancel(job.id)
+        else:  # nobody runs it: nothing to stop
+            self.store.set_state(job.id, JobState.CANCELLED,
+                                 cause={"kind": "cancelled", "message": "cancelled by the user"})
+        return self.store.get_job(job.id)
+
+    def wait(self, job_id: str, timeout: float | None = None) -> JobRecord:
+        """Wait until the job's current attempt ended and its processes are gone."""
+        job = self.store.get_job(job_id)
+        run = self._runs.get(job.id)
+        if run is not None:
+            run.done.wait(timeout)
+        return self.store.get_job(job.id)
+
+    def recover(self) -> list[str]:
+        """Fail the jobs whose controller died while they ran (call before serving).
+
+        A job is orphaned when it is not terminal and its owner process is gone. Its
+        local agents stopped their ranks when their link closed; any process still
+        marked with the attempt's id is killed. Returns the ids of recovered jobs.
+        """
+        from agents.ranks import kill_marked
+        recovered = []
+        for job in self.store.list_jobs(limit=100_000):
+            if job.state.is_terminal() or _owner_alive(job.owner):
+                continue
+            if job.attempt:
+                kill_marked(f"{job.id}.{job.attempt}")
+            cause = {"kind": "controller_lost", "message": "the controller running this job went away; "
+                     "its agents stopped the ranks. Use `orch resume` to continue from the last checkpoint."}
+            self.store.set_state(job.id, JobState.FAILED, cause=cause)
+            if job.attempt:
+                self.store.mark_stopped(job.id, job.attempt)
+            self.store.set_owner(job.id, None)
+            recovered.append(job.id)
+        return recovered
+
+    def close(self, cancel: bool = True, timeout: float = 60.0) -> None:
+        """Stop serving: cancel (or leave) every attempt this controller runs, wait for them."""
+        self._closed.set()
+        with self._lock:
+            runs = list(self._runs.values())
+        for run in runs:
+            if cancel:
+                run.cancel_event.set()
+        for run in runs:
+            run.done.wait(timeout)
+        self.store.close()
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _start_attempt(self, spec: JobSpec, plan: JobPlan, lease: PortLease, provisioner: Provisioner) -> None:
+        os.makedirs(os.path.join(plan.run_dir, "logs"), exist_ok=True)
+        if spec.deepspeed_config is not None:
+            with open(plan.deepspeed_config_path, "w") as f:
+                json.dump(plan.deepspeed_config, f, indent=2)
+        with open(os.path.join(plan.run_dir, "plan.json"), "w") as f:
+            json.dump(plan.to_dict(), f, indent=2)
+        self.store.add_attempt(plan.job_id, plan.attempt, plan.to_dict(), plan.resume_tag)
+        run = AttemptRun(self, spec, plan, lease, provisioner)
+        with self._lock:
+            self._runs[plan.job_id] = run
+        run.start()
+
+    def _watch_requests(self) -> None:
+        while not self._closed.wait(0.25):
+            with self._lock:
+                runs = [r for r in self._runs.values() if not r.done.is_set()]
+            for run in runs:
+                try:
+                    if self.store.get_job(run.job_id).cancel_requested:
+                        run.cancel_event.set()
+                except (OrchError, Exception):  # noqa: BLE001 - store closed at shutdown
+                    continue
+
+
+def _owner_alive(owner: dict[str, Any] | None) -> bool:
+    """True if the controller process recorded as ``owner`` is still running on this host."""
+    if not owner or owner.get("host") != socket.gethostname():
+        return False
+    try:
+        proc = psutil.Process(int(owner["pid"]))
+        return abs(proc.create_time() - float(owner.get("create_time", proc.create_time()))) < 1.0
+    except (psutil.NoSuchProcess, psutil.AccessDenied, KeyError, ValueError):
+        return False
+
+

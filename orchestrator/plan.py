@@ -1,0 +1,284 @@
+"""JobPlan: which ranks run where, with what environment and command line. Pure: no I/O.
+
+``make_plan(spec, pool, inputs)`` turns a validated spec and a filtered resource pool
+into a :class:`JobPlan`: nodes in node-rank order (the pool's order, which is the
+hostfile's, as in ``deepspeed.launcher.runner``), every rank's global and local rank,
+its slot, argv and environment, the master address and port, and the command lines the
+real launcher would have run. Everything that needs I/O (reading files, picking a free
+port, the controller's environment) is passed in through :class:`PlanInputs`, so the
+planner can be tested exhaustively and plans thousands of nodes in milliseconds.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from .errors import PlanError
+from .hostfile import ResourcePool
+from .launchers import get_launcher
+from .launchers.base import LaunchContext, RealCommand
+from .launchers.deepspeed import pdsh_exports
+from .spec import JobSpec
+
+__all__ = ["PlanInputs", "RankPlan", "NodePlan", "JobPlan", "make_plan", "orch_env"]
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """What the planner needs besides the spec and the pool; gathered by the caller.
+
+    Attributes:
+        job_id: the job's id.
+        attempt: 1-based attempt number.
+        master_port: the port chosen for this attempt (the spec's, or a free one for 'auto').
+        run_dir: this attempt's directory (logs, resolved config); absolute.
+        checkpoint_dir: where checkpoints are saved and loaded; absolute.
+        python: interpreter the ranks run under (the spec's ``python`` or the controller's).
+        default_master_addr: master address when the spec sets none (the provisioner's
+            address of node 0; ``127.0.0.1`` for local agents).
+        resume_tag: checkpoint tag the attempt resumes from, or None.
+        controller_env: the controller's environment (DeepSpeed's pdsh runner exports
+            some of its variables to every node).
+        controller_cwd: the runner's working directory, which DeepSpeed's pdsh runner puts
+            first on the exported PYTHONPATH (orch: the spec's workdir, where the runner's
+            ``cd`` takes the ranks).
+        deepspeed_env_lines: lines of the ``.deepspeed_env`` files, exported under pdsh.
+        deepspeed_config: the DeepSpeed config, resolved.
+        accelerator_exports: the accelerator's ``export_envs()`` prefixes (``("NCCL",)`` for
+            CUDA, none for CPU), exported under pdsh.
+    """
+
+    job_id: str
+    master_port: int
+    run_dir: str
+    checkpoint_dir: str
+    python: str
+    attempt: int = 1
+    default_master_addr: str = "127.0.0.1"
+    resume_tag: str | None = None
+    controller_env: Mapping[str, str] = field(default_factory=dict)
+    controller_cwd: str = "/"
+    deepspeed_env_lines: tuple[str, ...] = ()
+    deepspeed_config: Mapping[str, Any] = field(default_factory=dict)
+    accelerator_exports: tuple[str, ...] = ()
+
+    @property
+    def attempt_id(self) -> str:
+        """``<job id>.<attempt>``: the marker every process of the attempt carries."""
+        return f"{self.job_id}.{self.attempt}"
+
+    @property
+    def deepspeed_config_path(self) -> str:
+        """Where the controller writes the resolved DeepSpeed config for the ranks."""
+        return os.path.join(self.run_dir, "ds_config.json")
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """One rank: where it runs and how it starts.
+
+    Attributes:
+        global_rank: 0..world_size-1.
+        local_rank: ``LOCAL_RANK`` as the launcher gives it.
+        slot: the hostfile slot (accelerator index) it uses.
+        argv: its command line.
+        env: variables laid over the node's environment (launcher's and orch's).
+    """
+
+    global_rank: int
+    local_rank: int
+    slot: int
+    argv: tuple[str, ...]
+    env: Mapping[str, str]
+
+    def to_dict(self) -> dict:
+        """JSON-able form."""
+        return {"global_rank": self.global_rank, "local_rank": self.local_rank, "slot": self.slot,
+                "argv": list(self.argv), "env": dict(self.env)}
+
+
+@dataclass(frozen=True)
+class NodePlan:
+    """One node: its host, node rank, ranks, and what its agent must host.
+
+    Attributes:
+        node_rank: 0..len(nodes)-1, in the pool's order.
+        host: the hostfile's host name.
+        slots: the slots used on it.
+        ranks: its ranks in local order.
+        workdir: working directory of its ranks.
+        log_dir: directory its agent writes ``rank-<global rank>.log`` files into.
+        agent_store: ``{"addr", "port"}`` of a c10d store the agent hosts, or None.
+        env_defaults: variables set on its ranks only where the node's environment lacks
+            them (``launcher.env_defaults``), applied by the agent before ``env``.
+    """
+
+    node_rank: int
+    host: str
+    slots: tuple[int, ...]
+    ranks: tuple[RankPlan, ...]
+    workdir: str
+    log_dir: str
+    agent_store: Mapping[str, Any] | None = None
+    env_defaults: Mapping[str, str] = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        """JSON-able form (what the agent receives in its ``start`` message)."""
+        return {"node_rank": self.node_rank, "host": self.host, "slots": list(self.slots),
+                "ranks": [r.to_dict() for r in self.ranks], "workdir": self.workdir,
+                "log_dir": self.log_dir, "agent_store": dict(self.agent_store) if self.agent_store else None,
+                "env_defaults": dict(self.env_defaults)}
+
+
+@dataclass(frozen=True)
+class JobPlan:
+    """The whole attempt, planned.
+
+    Attributes:
+        job_id, job_name, attempt: which attempt of which job.
+        launcher, provisioner: names from the spec.
+        master_addr, master_port: the rendezvous point.
+        world_size: number of ranks.
+        nodes: in node-rank order.
+        real_commands: what the real launcher would have run (for display).
+        exports: variables exported to every node: the spec's ``env`` and, under pdsh,
+            what DeepSpeed's runner exports; the launcher's own variables win over them.
+        run_dir, checkpoint_dir: absolute paths.
+        resume_tag: start checkpoint tag, or None.
+        deepspeed_config: the resolved DeepSpeed config; deepspeed_config_path: its file.
+        grace: seconds between SIGTERM and SIGKILL when stopping ranks.
+        warnings: things the user should know (from filtering and planning).
+    """
+
+    job_id: str
+    job_name: str
+    attempt: int
+    launcher: str
+    provisioner: str
+    master_addr: str
+    master_port: int
+    world_size: int
+    nodes: tuple[NodePlan, ...]
+    real_commands: tuple[RealCommand, ...]
+    exports: Mapping[str, str]
+    run_dir: str
+    checkpoint_dir: str
+    resume_tag: str | None
+    deepspeed_config: Mapping[str, Any]
+    deepspeed_config_path: str
+    grace: float
+    warnings: tuple[str, ...] = ()
+
+    @property
+    def attempt_id(self) -> str:
+        """``<job id>.<attempt>``."""
+        return f"{self.job_id}.{self.attempt}"
+
+    def ranks(self) -> list[tuple[NodePlan, RankPlan]]:
+        """Every (node, rank) pair in global-rank order."""
+        return [(n, r) for n in self.nodes for r in n.ranks]
+
+    def to_dict(self) -> dict:
+        """JSON-able form (what the store keeps and ``orch plan --output json`` prints)."""
+        return {
+            "job_id": self.job_id, "job_name": self.job_name, "attempt": self.attempt,
+            "launcher": self.launcher, "provisioner": self.provisioner,
+            "master_addr": self.master_addr, "master_port": self.master_port,
+            "world_size": self.world_size, "nodes": [n.to_dict() for n in self.nodes],
+            "real_commands": [{"where": c.where, "argv": list(c.argv), "env": dict(c.env)}
+                              for c in self.real_commands],
+            "exports": dict(self.exports), "run_dir": self.run_dir, "checkpoint_dir": self.checkpoint_dir,
+            "resume_tag": self.resume_tag, "deepspeed_config": dict(self.deepspeed_config),
+            "deepspeed_config_path": self.deepspeed_config_path, "grace": self.grace,
+            "warnings": list(self.warnings),
+        }
+
+
+def orch_env(spec: JobSpec, inputs: PlanInputs, node_rank: int, host: str) -> dict[str, str]:
+    """The ``ORCH_*`` variables every rank gets (documented in docs/contract.md)."""
+    env = {
+        "ORCH_JOB_ID": inputs.job_id,
+        "ORCH_JOB_NAME": spec.name,
+        "ORCH_ATTEMPT": str(inputs.attempt),
+        "ORCH_ATTEMPT_ID": inputs.attempt_id,
+        "ORCH_RESTART_COUNT": str(inputs.attempt - 1),
+        "ORCH_NODE": host,
+        "ORCH_NODE_RANK": str(node_rank),
+        "ORCH_RUN_DIR": inputs.run_dir,
+        "ORCH_CHECKPOINT_DIR": inputs.checkpoint_dir,
+    }
+    if spec.deepspeed_config is not None:
+        env["ORCH_DEEPSPEED_CONFIG"] = inputs.deepspeed_config_path
+    if inputs.resume_tag:
+        env["ORCH_RESUME_TAG"] = inputs.resume_tag
+    return env
+
+
+def _launcher_exports(spec: JobSpec, inputs: PlanInputs, nodes: int) -> dict[str, str]:
+    """What DeepSpeed's pdsh runner exports to every node (nothing for one node or other launchers).
+
+    The spec's own ``env`` is not among them: it is laid over them by :func:`make_plan`,
+    byte for byte, whatever the launcher.
+    """
+    if spec.launcher != "pdsh" or nodes < 2:  # runner.main(): only the multi-node path exports
+        return {}
+    exports = pdsh_exports(inputs.controller_env, inputs.controller_cwd, inputs.deepspeed_env_lines,
+                           accelerator_exports=inputs.accelerator_exports)
+    return {k: v for k, v in exports.items() if k not in spec.env}
+
+
+def make_plan(spec: JobSpec, pool: ResourcePool, inputs: PlanInputs) -> JobPlan:
+    """Plan one attempt of ``spec`` on ``pool``.
+
+    Args:
+        spec: the validated job spec.
+        pool: the filtered resource pool (``orchestrator.hostfile.resolve_pool``).
+        inputs: everything else (see :class:`PlanInputs`).
+
+    Returns:
+        The JobPlan. Node order is the pool's; global ranks are numbered node by node,
+        slot by slot, as ``deepspeed.launcher.launch`` numbers them.
+
+    Raises:
+        PlanError: the pool is empty or has a host with no slots.
+        LaunchError: the spec's launcher is not supported.
+    """
+    launcher = get_launcher(spec.launcher)
+    if not pool.nodes:
+        raise PlanError("No slots are left to run on after applying the hostfile filters.")
+    empty = [host for host, slots in pool.nodes if not slots]
+    if empty:
+        raise PlanError(f"Host(s) {', '.join(empty)} have no slots (slots=0 in the hostfile); remove "
+                        "them or exclude them, so that every node runs at least one rank.")
+    args = list(spec.args)
+    if spec.deepspeed_args and spec.deepspeed_config is not None:
+        args += ["--deepspeed", "--deepspeed_config", inputs.deepspeed_config_path]
+    exports = _launcher_exports(spec, inputs, len(pool.nodes))
+    ctx = LaunchContext(
+        world=pool.nodes, master_addr=spec.master_addr or inputs.default_master_addr,
+        master_port=inputs.master_port, python=inputs.python, entrypoint=spec.entrypoint,
+        args=tuple(args), workdir=spec.workdir, module=spec.module, no_python=spec.no_python,
+        no_local_rank=spec.no_local_rank, exports=exports, run_id=inputs.job_id,
+        restart_count=inputs.attempt - 1, hostfile=spec.hostfile, include=spec.include,
+        exclude=spec.exclude, num_nodes=spec.num_nodes, num_gpus=spec.num_gpus)
+    log_dir = os.path.join(inputs.run_dir, "logs")
+    nodes = []
+    for node_rank, (host, slots) in enumerate(pool.nodes):
+        extra = orch_env(spec, inputs, node_rank, host)
+        ranks = tuple(RankPlan(r.global_rank, r.local_rank, r.slot, tuple(r.argv),
+                               {**spec.env, **r.env, **extra})
+                      for r in launcher.ranks(ctx, node_rank))
+        store = launcher.agent_store(ctx, node_rank)
+        defaults = {k: v for k, v in launcher.env_defaults(ctx, node_rank).items() if k not in spec.env}
+        nodes.append(NodePlan(node_rank, host, tuple(slots), ranks, spec.workdir, log_dir,
+                              {"addr": store[0], "port": store[1]} if store else None, defaults))
+    return JobPlan(
+        job_id=inputs.job_id, job_name=spec.name, attempt=inputs.attempt, launcher=launcher.name,
+        provisioner=spec.provisioner, master_addr=ctx.master_addr, master_port=ctx.master_port,
+        world_size=ctx.world_size, nodes=tuple(nodes), real_commands=tuple(launcher.real_commands(ctx)),
+        exports={**exports, **spec.env}, run_dir=inputs.run_dir, checkpoint_dir=inputs.checkpoint_dir,
+        resume_tag=inputs.resume_tag, deepspeed_config=dict(inputs.deepspeed_config),
+        deepspeed_config_path=inputs.deepspeed_config_path, grace=spec.stop_grace_seconds,
+        warnings=tuple(pool.warnings) + tuple(launcher.warnings(ctx)))

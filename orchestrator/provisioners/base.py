@@ -1,0 +1,58 @@
+"""The provisioner interface: start an agent for a node, talk to it, make sure it is gone."""
+
+from __future__ import annotations
+
+import queue
+from abc import ABC, abstractmethod
+from typing import Any
+
+from ..plan import JobPlan, NodePlan
+
+__all__ = ["AgentHandle", "Provisioner"]
+
+
+class AgentHandle(ABC):
+    """The controller's side of one running agent.
+
+    Messages from the agent arrive on the queue given to
+    :meth:`Provisioner.start_agent` as ``(node_rank, message)`` pairs, ending with one
+    ``{"type": "eof"}`` when the link closes.
+    """
+
+    node_rank: int
+    host: str
+
+    @abstractmethod
+    def send(self, msg: dict[str, Any]) -> bool:
+        """Send a message; False if the link is gone."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Close the link; the agent sees end-of-stream and stops its ranks."""
+
+    @abstractmethod
+    def wait(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for the agent to be gone; True if it is."""
+
+    @abstractmethod
+    def kill(self) -> None:
+        """Kill the agent and everything it started, without grace."""
+
+
+class Provisioner(ABC):
+    """Starts agents. One instance serves one attempt."""
+
+    name: str
+
+    @abstractmethod
+    def start_agent(self, node: NodePlan, plan: JobPlan,
+                    events: "queue.Queue[tuple[int, dict]]") -> AgentHandle:
+        """Start the agent of ``node``; its messages go to ``events``.
+
+        Raises:
+            ProvisionError: the agent could not be started (the message names the node).
+        """
+
+    def sweep(self, plan: JobPlan) -> list[int]:
+        """Last-resort cleanup once every agent is gone; returns pids it had to kill."""
+        return []

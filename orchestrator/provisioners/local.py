@@ -1,0 +1,88 @@
+"""The local provisioner: every node's agent is a subprocess on this machine.
+
+This is the embedded default, and how the tests run multinode jobs on one machine: each
+"node" of the hostfile gets its own agent process (its own session), which starts that
+node's ranks. The link is the agent's stdin/stdout pipes; the agent's stderr goes to
+``<run_dir>/agents/node-<node rank>.log``. The agent's environment is the controller's,
+which is the node environment every rank's env is laid over.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import subprocess
+import sys
+from typing import Any
+
+from agents.link import MessageReader, MessageWriter
+from agents.ranks import kill_marked
+
+from ..errors import ProvisionError
+from ..plan import JobPlan, NodePlan
+from .base import AgentHandle, Provisioner
+
+__all__ = ["LocalProvisioner", "LocalAgent"]
+
+
+class LocalAgent(AgentHandle):
+    """A local agent subprocess and its pipes."""
+
+    def __init__(self, node: NodePlan, proc: subprocess.Popen[bytes],
+                 events: "queue.Queue[tuple[int, dict]]") -> None:
+        self.node_rank = node.node_rank
+        self.host = node.host
+        self.proc = proc
+        assert proc.stdin is not None and proc.stdout is not None
+        self._writer = MessageWriter(proc.stdin)
+        self._reader = MessageReader(proc.stdout, name=f"agent-{node.node_rank}", sink=events,
+                                     tag=node.node_rank)
+
+    def send(self, msg: dict[str, Any]) -> bool:
+        return self._writer.send(msg)
+
+    def close(self) -> None:
+        self._writer.close()
+
+    def wait(self, timeout: float) -> bool:
+        try:
+            self.proc.wait(timeout)
+            return True
+        except subprocess.TimeoutExpired:
+            return False
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self.wait(5.0)
+
+
+class LocalProvisioner(Provisioner):
+    """Starts ``python -m agents.agent`` per node, in its own session, with the controller's env."""
+
+    name = "local"
+
+    def __init__(self, python: str | None = None) -> None:
+        self.python = python or sys.executable
+
+    def start_agent(self, node: NodePlan, plan: JobPlan,
+                    events: "queue.Queue[tuple[int, dict]]") -> AgentHandle:
+        log_dir = os.path.join(plan.run_dir, "agents")
+        os.makedirs(log_dir, exist_ok=True)
+        log_path = os.path.join(log_dir, f"node-{node.node_rank}.log")
+        env = {k: v for k, v in os.environ.items() if not k.startswith("ORCH_")}
+        try:
+            with open(log_path, "ab") as log:
+                proc = subprocess.Popen([self.python, "-u", "-m", "agents.agent"], stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, stderr=log, env=env, cwd=node.workdir,
+                                        start_new_session=True)
+        except OSError as err:
+            raise ProvisionError(f"Cannot start the agent for node {node.node_rank} ({node.host}): "
+                                 f"{err.strerror or err}.") from err
+        return LocalAgent(node, proc, events)
+
+    def sweep(self, plan: JobPlan) -> list[int]:
+        return kill_marked(plan.attempt_id)

@@ -1,0 +1,325 @@
+"""The job spec: a YAML file describing one training job, validated on load.
+
+Every field, its type, default and meaning is documented in ``docs/jobspec.md``. A spec
+is validated as a whole: :func:`load_spec` reports *every* problem at once, each with
+its field path (``env.FOO``, ``args[2]``) and, where the spec came from a file, the
+line it is on. Relative paths are resolved against the spec file's directory and
+stored absolute, so a stored spec means the same thing wherever it is read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any, Literal, Mapping
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from .errors import SpecError
+
+__all__ = ["JobSpec", "load_spec", "spec_from_dict", "load_deepspeed_config", "PROVISIONERS",
+           "KNOWN_LAUNCHERS"]
+
+#: Provisioners a spec may name. Only ``local`` is available in this version.
+PROVISIONERS = ("local", "ssh", "ray")
+#: DeepSpeed's multinode launchers (deepspeed.launcher.constants + Accelerate's ``standard``
+#: and ``nossh``); which of them orch can run is decided by ``orchestrator.launchers``.
+KNOWN_LAUNCHERS = ("pdsh", "standard", "nossh", "openmpi", "mvapich", "mpich", "impi", "slurm")
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+_ENV_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def _scalar_to_str(value: Any, what: str) -> Any:
+    """YAML turns ``1`` into an int; accept numbers and strings, refuse the ambiguous rest."""
+    if isinstance(value, bool):
+        raise ValueError(f"{what} must be a string; write it in quotes (e.g. \"{str(value).lower()}\") "
+                         "so it is not read as a YAML boolean")
+    if isinstance(value, (int, float)):
+        return str(value)
+    return value
+
+
+class JobSpec(BaseModel):
+    """A validated, frozen job spec. See ``docs/jobspec.md`` for every field.
+
+    Example::
+
+        spec = load_spec("examples/quickstart.yaml")
+        spec.launcher            # 'pdsh'
+        spec.to_dict()           # JSON-able, paths absolute
+
+    Build one with :func:`load_spec` (from a file) or :func:`spec_from_dict`; both raise
+    :class:`~orchestrator.errors.SpecError` listing every problem.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(description="Job name: letters, digits, '.', '_', '-'; at most 63 characters.")
+    hostfile: str | None = Field(None, description="DeepSpeed hostfile path; absent: localhost with num_gpus (or 1) slots.")
+    include: str = Field("", description="DeepSpeed --include filter, e.g. 'worker-0:0,1@worker-1'.")
+    exclude: str = Field("", description="DeepSpeed --exclude filter.")
+    num_nodes: int = Field(-1, ge=-1, description="Use the first N hosts; -1: all.")
+    num_gpus: int = Field(-1, ge=-1, description="Use slots 0..N-1 on each host; -1: all.")
+    provisioner: Literal["local", "ssh", "ray"] = "local"
+    launcher: Literal["pdsh", "standard", "nossh", "openmpi", "mvapich", "mpich", "impi", "slurm"] = "pdsh"
+    master_addr: str | None = None
+    master_port: int | Literal["auto"] = "auto"
+    env: dict[str, str] = Field(default_factory=dict)
+    workdir: str = "."
+    python: str | None = None
+    entrypoint: str
+    args: list[str] = Field(default_factory=list)
+    module: bool = False
+    no_python: bool = False
+    no_local_rank: bool = False
+    deepspeed_config: str | dict[str, Any] | None = None
+    deepspeed_args: bool = False
+    checkpoint_dir: str | None = None
+    metrics_port: int | None = Field(None, ge=0, le=65535)
+    stop_grace_seconds: float = Field(10.0, gt=0, le=3600)
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not _NAME_RE.match(v):
+            raise ValueError(f"expected 1-63 letters, digits, '.', '_' or '-' starting with a letter or digit; got {v!r}")
+        return v
+
+    @field_validator("master_port")
+    @classmethod
+    def _port(cls, v: int | str) -> int | str:
+        if isinstance(v, int) and not 1 <= v <= 65535:
+            raise ValueError(f"expected a TCP port 1..65535 or 'auto'; got {v}")
+        return v
+
+    @field_validator("env", mode="before")
+    @classmethod
+    def _env(cls, v: Any) -> Any:
+        if not isinstance(v, Mapping):
+            return v
+        out = {}
+        for key, value in v.items():
+            if not isinstance(key, str) or not _ENV_KEY_RE.match(key):
+                raise ValueError(f"variable name {key!r} is not a valid environment variable name "
+                                 "(letters, digits and '_', not starting with a digit)")
+            out[key] = _scalar_to_str(value, f"env.{key}")
+        return out
+
+    @field_validator("args", mode="before")
+    @classmethod
+    def _args(cls, v: Any) -> Any:
+        if isinstance(v, (list, tuple)):
+            return [_scalar_to_str(x, f"args[{i}]") for i, x in enumerate(v)]
+        if isinstance(v, str):
+            raise ValueError("expected a list of strings, e.g. [--steps, \"300\"]; got a single string")
+        return v
+
+    @model_validator(mode="after")
+    def _exclusive(self) -> "JobSpec":
+        if self.include and self.exclude:
+            raise ValueError("include and exclude are mutually exclusive (same as DeepSpeed's "
+                             "--include/--exclude); keep one of them")
+        if (self.include or self.exclude) and (self.num_nodes >= 0 or self.num_gpus >= 0):
+            raise ValueError("num_nodes/num_gpus cannot be combined with include/exclude (same as "
+                             "DeepSpeed's runner); use only the filter or only the counts")
+        if self.module and self.no_python:
+            raise ValueError("module and no_python cannot both be true (same as DeepSpeed's launcher)")
+        return self
+
+    def to_dict(self) -> dict:
+        """The spec as a JSON-able dict (what the store keeps)."""
+        return self.model_dump(mode="json")
+
+
+def _loc_to_path(loc: tuple) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += ("." if out else "") + str(part)
+    return out or "(spec)"
+
+
+def _line_of(node: yaml.Node | None, loc: tuple) -> int | None:
+    """1-based line of the YAML node at ``loc`` (or of its closest parent)."""
+    if node is None:
+        return None
+    line = node.start_mark.line + 1
+    for part in loc:
+        if isinstance(node, yaml.MappingNode):
+            for k, v in node.value:
+                if k.value == part:
+                    node, line = v, k.start_mark.line + 1
+                    break
+            else:
+                return line
+        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) and part < len(node.value):
+            node = node.value[part]
+            line = node.start_mark.line + 1
+        else:
+            return line
+    return line
+
+
+def _problems_from(err: ValidationError, tree: yaml.Node | None) -> list[tuple[str, str, int | None]]:
+    problems = []
+    for e in err.errors():
+        loc = tuple(p for p in e["loc"] if not (isinstance(p, str) and p in ("int", "str", "dict[str,any]", "literal['auto']")))
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            valid = ", ".join(JobSpec.model_fields)
+            msg = f"unknown field; valid fields are: {valid}"
+        elif e["type"] == "missing":
+            msg = "required field is missing"
+        elif "input" in e and e["type"] not in ("value_error",) and not isinstance(e["input"], (dict, list)):
+            msg = f"{msg}; got {e['input']!r}"
+        problems.append((_loc_to_path(loc), msg, _line_of(tree, loc)))
+    # union types report one error per member; keep the first per path
+    seen, unique = set(), []
+    for p in problems:
+        if p[0] not in seen:
+            seen.add(p[0])
+            unique.append(p)
+    return unique
+
+
+def _raise(problems: list[tuple[str, str, int | None]], source: str) -> None:
+    lines = [f"  {path}{f' (line {line})' if line else ''}: {msg}" for path, msg, line in problems]
+    noun = "problem" if len(problems) == 1 else "problems"
+    raise SpecError(f"Job spec {source} has {len(problems)} {noun}:\n" + "\n".join(lines),
+                    path=source, problems=[(p, m) for p, m, _ in problems])
+
+
+def _resolve(base: Path, value: str | None) -> str | None:
+    if value is None:
+        return None
+    p = Path(os.path.expanduser(value))
+    return str(p if p.is_absolute() else (base / p).resolve())
+
+
+def spec_from_dict(data: Any, base_dir: str | Path = ".", source: str = "<spec>",
+                   _tree: yaml.Node | None = None, check_files: bool = True) -> JobSpec:
+    """Validate ``data`` as a job spec and resolve its paths against ``base_dir``.
+
+    Args:
+        data: the parsed YAML (a mapping).
+        base_dir: directory relative paths are resolved against (the spec file's).
+        source: how to name the spec in messages (its path).
+        check_files: also check that the files the spec names exist (hostfile,
+            workdir, entrypoint, DeepSpeed config file) and that the config is valid JSON.
+
+    Returns:
+        The frozen JobSpec, with ``hostfile``, ``workdir``, ``entrypoint`` (a script
+        path, unless ``module``/``no_python``), ``deepspeed_config`` (a path) and
+        ``checkpoint_dir`` absolute.
+
+    Raises:
+        SpecError: listing every problem by field path (and line, for files).
+    """
+    if not isinstance(data, Mapping):
+        _raise([("(spec)", f"expected a mapping of fields (name: ..., entrypoint: ...); got {type(data).__name__}", None)], source)
+    try:
+        spec = JobSpec.model_validate(dict(data))
+    except ValidationError as err:
+        _raise(_problems_from(err, _tree), source)
+    base = Path(base_dir).resolve()
+    workdir = _resolve(base, spec.workdir)
+    updates: dict[str, Any] = {"workdir": workdir, "hostfile": _resolve(base, spec.hostfile),
+                               "checkpoint_dir": _resolve(base, spec.checkpoint_dir)}
+    if isinstance(spec.deepspeed_config, str):
+        updates["deepspeed_config"] = _resolve(base, spec.deepspeed_config)
+    if not (spec.module or spec.no_python):
+        updates["entrypoint"] = _resolve(Path(workdir), spec.entrypoint)
+    spec = spec.model_copy(update=updates)
+    if check_files:
+        problems = _file_problems(spec)
+        if problems:
+            _raise([(p, m, _line_of(_tree, (p,))) for p, m in problems], source)
+    return spec
+
+
+def _file_problems(spec: JobSpec) -> list[tuple[str, str]]:
+    problems = []
+    if spec.hostfile is not None and not os.path.isfile(spec.hostfile):
+        problems.append(("hostfile", f"no such file: {spec.hostfile}"))
+    if not os.path.isdir(spec.workdir):
+        problems.append(("workdir", f"no such directory: {spec.workdir}"))
+    if spec.no_python:
+        if not (os.path.isfile(spec.entrypoint) or shutil.which(spec.entrypoint)):
+            problems.append(("entrypoint", f"no such executable: {spec.entrypoint}"))
+    elif not spec.module and not os.path.isfile(spec.entrypoint):
+        problems.append(("entrypoint", f"no such file: {spec.entrypoint} (relative paths are taken "
+                                       f"from workdir {spec.workdir})"))
+    if isinstance(spec.deepspeed_config, str):
+        try:
+            load_deepspeed_config(spec)
+        except SpecError as err:
+            problems.append(("deepspeed_config", str(err)))
+    return problems
+
+
+def load_deepspeed_config(spec: JobSpec) -> dict:
+    """Return the spec's DeepSpeed config as a dict ({} when the spec has none).
+
+    Raises:
+        SpecError: the file is missing, unreadable, not JSON (line and column named), or
+            not a JSON object.
+    """
+    cfg = spec.deepspeed_config
+    if cfg is None:
+        return {}
+    if isinstance(cfg, dict):
+        return dict(cfg)
+    try:
+        text = Path(cfg).read_text()
+    except OSError as err:
+        raise SpecError(f"cannot read DeepSpeed config {cfg}: {err.strerror}") from err
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise SpecError(f"DeepSpeed config {cfg} is not valid JSON: {err.msg} at line {err.lineno}, "
+                        f"column {err.colno}") from err
+    if not isinstance(value, dict):
+        raise SpecError(f"DeepSpeed config {cfg} must be a JSON object; got {type(value).__name__}")
+    return value
+
+
+def load_spec(path: str | os.PathLike, overrides: Mapping[str, Any] | None = None,
+              check_files: bool = True) -> JobSpec:
+    """Read, validate and resolve a YAML job spec file.
+
+    Args:
+        path: the spec file.
+        overrides: fields to set on top of the file's (e.g. from CLI flags).
+        check_files: see :func:`spec_from_dict`.
+
+    Raises:
+        SpecError: the file is missing, is not YAML (line and column named), or has
+            problems (every one listed by field path and line).
+    """
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except FileNotFoundError as err:
+        raise SpecError(f"Job spec {p} does not exist.", path=str(p)) from err
+    except OSError as err:
+        raise SpecError(f"Cannot read job spec {p}: {err.strerror}.", path=str(p)) from err
+    try:
+        tree = yaml.compose(text)
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(err, "problem", None) or str(err)
+        raise SpecError(f"Job spec {p} is not valid YAML{where}: {problem}.", path=str(p)) from err
+    if data is None:
+        data = {}
+    if overrides and isinstance(data, dict):
+        data = {**data, **overrides}
+    return spec_from_dict(data, p.parent, str(p), tree, check_files)

@@ -1,0 +1,390 @@
+"""Durable job store: jobs, their attempts and their events, in one SQLite file.
+
+The file lives under the state directory (``<state_dir>/orch.db``) and is opened in WAL
+mode, so one controller writes while CLI commands and other controllers read. Every
+state change goes through :meth:`Store.set_state`, which checks the move against
+``orchestrator.state.TRANSITIONS`` and records it as an event in the same transaction.
+A controller that restarts finds every job, attempt and event it wrote before.
+
+Times are wall-clock seconds since the epoch (``float``), from an injectable clock.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from .errors import NotFoundError
+from .state import JobState, check_transition
+
+__all__ = ["Store", "JobRecord", "AttemptRecord", "EventRecord"]
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS jobs (
+    id TEXT PRIMARY KEY,
+    name TEXT NOT NULL,
+    state TEXT NOT NULL,
+    spec TEXT NOT NULL,
+    attempt INTEGER NOT NULL DEFAULT 0,
+    cause TEXT,
+    owner TEXT,
+    cancel_requested INTEGER NOT NULL DEFAULT 0,
+    created_at REAL NOT NULL,
+    updated_at REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS attempts (
+    job_id TEXT NOT NULL REFERENCES jobs(id),
+    number INTEGER NOT NULL,
+    state TEXT NOT NULL,
+    plan TEXT NOT NULL,
+    resume_tag TEXT,
+    cause TEXT,
+    created_at REAL NOT NULL,
+    running_at REAL,
+    ended_at REAL,
+    stopped_at REAL,
+    PRIMARY KEY (job_id, number)
+);
+CREATE TABLE IF NOT EXISTS events (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    job_id TEXT NOT NULL REFERENCES jobs(id),
+    attempt INTEGER,
+    at REAL NOT NULL,
+    kind TEXT NOT NULL,
+    data TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS events_job ON events(job_id, id);
+"""
+
+
+def _dump(value: Any) -> str | None:
+    return None if value is None else json.dumps(value, sort_keys=True)
+
+
+def _load(text: str | None) -> Any:
+    return None if text is None else json.loads(text)
+
+
+@dataclass(frozen=True)
+class JobRecord:
+    """A job as stored.
+
+    Attributes:
+        id: the job id (``<name>-<6 hex digits>``).
+        name: the spec's name.
+        state: the job's state.
+        spec: the validated spec as a JSON-able dict (paths absolute).
+        attempt: number of the current (latest) attempt, 0 before the first.
+        cause: why the latest attempt failed or was cancelled, as a dict, else None.
+        owner: the controller running it (``{"pid":..., "host":..., "url":...}``) or None.
+        cancel_requested: a cancel was asked for through the store.
+        created_at, updated_at: epoch seconds.
+    """
+
+    id: str
+    name: str
+    state: JobState
+    spec: dict
+    attempt: int
+    cause: dict | None
+    owner: dict | None
+    cancel_requested: bool
+    created_at: float
+    updated_at: float
+
+    def to_dict(self) -> dict:
+        """JSON-able form (state as its string)."""
+        return {"id": self.id, "name": self.name, "state": self.state.value, "attempt": self.attempt,
+                "cause": self.cause, "owner": self.owner, "cancel_requested": self.cancel_requested,
+                "created_at": self.created_at, "updated_at": self.updated_at}
+
+
+@dataclass(frozen=True)
+class AttemptRecord:
+    """One attempt of a job.
+
+    Attributes:
+        job_id, number: which attempt (numbers start at 1).
+        state: the attempt's own state (the job's state while it was current).
+        plan: the attempt's JobPlan as a dict (``orchestrator.plan.JobPlan.to_dict``).
+        resume_tag: the checkpoint tag it started from, or None for a fresh start.
+        cause: why it ended, when it failed or was cancelled.
+        created_at, running_at, ended_at, stopped_at: epoch seconds or None;
+            ``ended_at`` is when it reached a terminal state, ``stopped_at`` when its
+            last process was gone.
+    """
+
+    job_id: str
+    number: int
+    state: JobState
+    plan: dict
+    resume_tag: str | None
+    cause: dict | None
+    created_at: float
+    running_at: float | None
+    ended_at: float | None
+    stopped_at: float | None
+
+    def to_dict(self, with_plan: bool = False) -> dict:
+        """JSON-able form; the (large) plan only when asked for, else its node list."""
+        d = {"job_id": self.job_id, "number": self.number, "state": self.state.value,
+             "resume_tag": self.resume_tag, "cause": self.cause, "created_at": self.created_at,
+             "running_at": self.running_at, "ended_at": self.ended_at, "stopped_at": self.stopped_at,
+             "nodes": [n["host"] for n in self.plan.get("nodes", [])],
+             "world_size": self.plan.get("world_size")}
+        if with_plan:
+            d["plan"] = self.plan
+        return d
+
+
+@dataclass(frozen=True)
+class EventRecord:
+    """One event: a state change, a rank exit, a message from an agent."""
+
+    id: int
+    job_id: str
+    attempt: int | None
+    at: float
+    kind: str
+    data: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        """JSON-able form."""
+        return {"id": self.id, "job_id": self.job_id, "attempt": self.attempt, "at": self.at,
+                "kind": self.kind, "data": self.data}
+
+
+class Store:
+    """The durable store. Thread-safe: one connection guarded by a lock.
+
+    Example::
+
+        store = Store(Path(state_dir) / "orch.db")
+        store.create_job("demo-1a2b3c", "demo", spec_dict)
+        store.set_state("demo-1a2b3c", JobState.PROVISIONING, attempt=1)
+
+    Args:
+        path: the database file; its directory is created if missing.
+        clock: returns epoch seconds; injectable for tests.
+    """
+
+    def __init__(self, path: str | Path, clock: Callable[[], float] = time.time) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.clock = clock
+        self._lock = threading.RLock()
+        self._db = sqlite3.connect(str(self.path), check_same_thread=False, isolation_level=None,
+                                   timeout=30.0)
+        self._db.row_factory = sqlite3.Row
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.execute("PRAGMA foreign_keys=ON")
+        self._db.executescript(_SCHEMA)
+
+    def close(self) -> None:
+        """Close the connection."""
+        with self._lock:
+            self._db.close()
+
+    # -- transactions -------------------------------------------------------------------
+
+    def _tx(self) -> "_Tx":
+        return _Tx(self)
+
+    # -- jobs -----------------------------------------------------------------------------
+
+    def create_job(self, job_id: str, name: str, spec: dict, *, owner: dict | None = None) -> JobRecord:
+        """Insert a new job in PENDING and record a ``submitted`` event."""
+        now = self.clock()
+        with self._tx() as db:
+            db.execute("INSERT INTO jobs (id, name, state, spec, attempt, owner, created_at, updated_at)"
+                       " VALUES (?, ?, ?, ?, 0, ?, ?, ?)",
+                       (job_id, name, JobState.PENDING.value, _dump(spec), _dump(owner), now, now))
+            self._event(db, job_id, None, "submitted", {"name": name}, now)
+        return self.get_job(job_id)
+
+    def get_job(self, job_id: str) -> JobRecord:
+        """Return the job with this id, or the only job whose id starts with it.
+
+        Raises:
+            NotFoundError: no job matches, or a prefix matches several (they are listed).
+        """
+        with self._lock:
+            row = self._db.execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone()
+            if row is None:
+                rows = self._db.execute("SELECT * FROM jobs WHERE id LIKE ? ESCAPE '\\' ORDER BY id",
+                                        (_like_prefix(job_id),)).fetchall()
+                if len(rows) == 1:
+                    row = rows[0]
+                elif len(rows) > 1:
+                    ids = ", ".join(r["id"] for r in rows[:10])
+                    raise NotFoundError(f"Job id '{job_id}' is ambiguous: it matches {ids}.")
+        if row is None:
+            raise NotFoundError(f"No job '{job_id}' in {self.path}; `orch list` shows the jobs.")
+        return self._job(row)
+
+    def list_jobs(self, limit: int = 100) -> list[JobRecord]:
+        """Return up to ``limit`` jobs, newest first."""
+        with self._lock:
+            rows = self._db.execute("SELECT * FROM jobs ORDER BY created_at DESC, id LIMIT ?",
+                                    (limit,)).fetchall()
+        return [self._job(r) for r in rows]
+
+    def set_state(self, job_id: str, new: JobState, *, cause: dict | None = None,
+                  data: dict | None = None) -> JobRecord:
+        """Move a job (and its current attempt) to ``new``; the one place state changes.
+
+        The move is checked with ``orchestrator.state.check_transition`` inside the same
+        transaction that writes it, so two writers cannot both leave a state. Entering a
+        terminal state sets the attempt's ``ended_at`` and ``cause``; entering RUNNING sets
+        its ``running_at``.
+
+        Raises:
+            StateError: the move is illegal.
+            NotFoundError: no such job.
+        """
+        new = JobState(new)
+        now = self.clock()
+        with self._tx() as db:
+            row = db.execute("SELECT state, attempt FROM jobs WHERE id = ?", (job_id,)).fetchone()
+            if row is None:
+                raise NotFoundError(f"No job '{job_id}'.")
+            old = JobState(row["state"])
+            check_transition(job_id, old, new)
+            attempt = row["attempt"]
+            db.execute("UPDATE jobs SET state = ?, cause = ?, updated_at = ?,"
+                       " cancel_requested = CASE WHEN ? THEN 0 ELSE cancel_requested END WHERE id = ?",
+                       (new.value, _dump(cause) if new.is_terminal() else None, now,
+                        new == JobState.PENDING, job_id))
+            if attempt and new != JobState.PENDING:
+                db.execute("UPDATE attempts SET state = ? WHERE job_id = ? AND number = ?",
+                           (new.value, job_id, attempt))
+                if new == JobState.RUNNING:
+                    db.execute("UPDATE attempts SET running_at = ? WHERE job_id = ? AND number = ?",
+                               (now, job_id, attempt))
+                if new.is_terminal():
+                    db.execute("UPDATE attempts SET ended_at = ?, cause = ? WHERE job_id = ? AND number = ?",
+                               (now, _dump(cause), job_id, attempt))
+            self._event(db, job_id, attempt or None, "state",
+                        {"from": old.value, "to": new.value, "cause": cause, **(data or {})}, now)
+        return self.get_job(job_id)
+
+    def set_owner(self, job_id: str, owner: dict | None) -> None:
+        """Record which controller runs the job (None: nobody)."""
+        with self._tx() as db:
+            db.execute("UPDATE jobs SET owner = ? WHERE id = ?", (_dump(owner), job_id))
+
+    def request_cancel(self, job_id: str) -> None:
+        """Ask, through the store, the controller that owns the job to cancel it."""
+        now = self.clock()
+        with self._tx() as db:
+            db.execute("UPDATE jobs SET cancel_requested = 1, updated_at = ? WHERE id = ?", (now, job_id))
+            self._event(db, job_id, None, "cancel_requested", {}, now)
+
+    # -- attempts -------------------------------------------------------------------------
+
+    def add_attempt(self, job_id: str, number: int, plan: dict, resume_tag: str | None) -> AttemptRecord:
+        """Insert attempt ``number`` (its plan and start checkpoint) and make it current."""
+        now = self.clock()
+        with self._tx() as db:
+            row = db.execute("SELECT state FROM jobs WHERE id = ?", (job_id,)).fetchone()
+            db.execute("INSERT INTO attempts (job_id, number, state, plan, resume_tag, created_at)"
+                       " VALUES (?, ?, ?, ?, ?, ?)",
+                       (job_id, number, row["state"], _dump(plan), resume_tag, now))
+            db.execute("UPDATE jobs SET attempt = ?, updated_at = ? WHERE id = ?", (number, now, job_id))
+            self._event(db, job_id, number, "attempt",
+                        {"number": number, "resume_tag": resume_tag,
+                         "nodes": [n["host"] for n in plan.get("nodes", [])]}, now)
+        return self.get_attempt(job_id, number)
+
+    def mark_stopped(self, job_id: str, number: int) -> None:
+        """Record that every process of the attempt is gone."""
+        now = self.clock()
+        with self._tx() as db:
+            db.execute("UPDATE attempts SET stopped_at = ? WHERE job_id = ? AND number = ?",
+                       (now, job_id, number))
+            self._event(db, job_id, number, "stopped", {}, now)
+
+    def get_attempt(self, job_id: str, number: int) -> AttemptRecord:
+        """Return one attempt.
+
+        Raises:
+            NotFoundError: no such attempt.
+        """
+        with self._lock:
+            row = self._db.execute("SELECT * FROM attempts WHERE job_id = ? AND number = ?",
+                                   (job_id, number)).fetchone()
+        if row is None:
+            raise NotFoundError(f"Job {job_id} has no attempt {number}.")
+        return self._attempt(row)
+
+    def attempts(self, job_id: str) -> list[AttemptRecord]:
+        """Return every attempt of a job, oldest first."""
+        with self._lock:
+            rows = self._db.execute("SELECT * FROM attempts WHERE job_id = ? ORDER BY number",
+                                    (job_id,)).fetchall()
+        return [self._attempt(r) for r in rows]
+
+    # -- events ---------------------------------------------------------------------------
+
+    def add_event(self, job_id: str, attempt: int | None, kind: str, data: dict | None = None) -> None:
+        """Append an event (e.g. ``rank_exit``, ``agent_started``) to the job's history."""
+        with self._tx() as db:
+            self._event(db, job_id, attempt, kind, data or {}, self.clock())
+
+    def events(self, job_id: str, since_id: int = 0, limit: int = 10_000) -> list[EventRecord]:
+        """Return the job's events with id > ``since_id``, oldest first."""
+        with self._lock:
+            rows = self._db.execute("SELECT * FROM events WHERE job_id = ? AND id > ? ORDER BY id LIMIT ?",
+                                    (job_id, since_id, limit)).fetchall()
+        return [EventRecord(r["id"], r["job_id"], r["attempt"], r["at"], r["kind"], _load(r["data"]))
+                for r in rows]
+
+    # -- helpers --------------------------------------------------------------------------
+
+    @staticmethod
+    def _event(db: sqlite3.Connection, job_id: str, attempt: int | None, kind: str, data: dict,
+               at: float) -> None:
+        db.execute("INSERT INTO events (job_id, attempt, at, kind, data) VALUES (?, ?, ?, ?, ?)",
+                   (job_id, attempt, at, kind, json.dumps(data, sort_keys=True)))
+
+    @staticmethod
+    def _job(row: sqlite3.Row) -> JobRecord:
+        return JobRecord(row["id"], row["name"], JobState(row["state"]), _load(row["spec"]), row["attempt"],
+                         _load(row["cause"]), _load(row["owner"]), bool(row["cancel_requested"]),
+                         row["created_at"], row["updated_at"])
+
+    @staticmethod
+    def _attempt(row: sqlite3.Row) -> AttemptRecord:
+        return AttemptRecord(row["job_id"], row["number"], JobState(row["state"]), _load(row["plan"]),
+                             row["resume_tag"], _load(row["cause"]), row["created_at"], row["running_at"],
+                             row["ended_at"], row["stopped_at"])
+
+
+def _like_prefix(prefix: str) -> str:
+    escaped = prefix.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+    return escaped + "%"
+
+
+class _Tx:
+    """``with store._tx() as db:`` runs the block in one IMMEDIATE transaction under the lock."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+    def __enter__(self) -> sqlite3.Connection:
+        self.store._lock.acquire()
+        self.store._db.execute("BEGIN IMMEDIATE")
+        return self.store._db
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            self.store._db.execute("COMMIT" if exc_type is None else "ROLLBACK")
+        finally:
+            self.store._lock.release()
+

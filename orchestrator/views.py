@@ -1,0 +1,148 @@
+"""What ``orch status``/``orch list``/``orch logs`` and the HTTP API show: built from the store.
+
+The same functions serve the API and the CLI (which reads the store directly when no
+server runs), so both print the same data. Rank status comes from the attempt's events;
+training progress (step, loss) from the last lines of each rank's log that contain
+``step=<int>`` and ``loss=<float>`` tokens (the form the example script prints; see
+docs/contract.md).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+from .store import AttemptRecord, JobRecord, Store
+
+__all__ = ["job_summary", "job_detail", "rank_rows", "read_log", "progress_of", "log_path"]
+
+_STEP = re.compile(r"\bstep=(\d+)")
+_LOSS = re.compile(r"\bloss=([-+]?(?:\d+\.?\d*(?:[eE][-+]?\d+)?|nan|inf))")
+
+
+def job_summary(job: JobRecord, attempt: AttemptRecord | None = None) -> dict[str, Any]:
+    """One line's worth of a job: id, name, state, attempt, restarts, cause, times, world."""
+    d = job.to_dict()
+    d["restarts"] = max(0, job.attempt - 1)
+    d["cause_message"] = (job.cause or {}).get("message")
+    if attempt is not None:
+        d["world_size"] = attempt.plan.get("world_size")
+        d["nodes"] = [n["host"] for n in attempt.plan.get("nodes", [])]
+    return d
+
+
+def log_path(plan: dict, global_rank: int) -> Path:
+    """The log file of a rank in an attempt's plan."""
+    return Path(plan["nodes"][0]["log_dir"]) / f"rank-{global_rank}.log"
+
+
+def _tail_bytes(path: Path, nbytes: int = 16384) -> list[str]:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - nbytes))
+            data = f.read()
+    except OSError:
+        return []
+    return data.decode("utf-8", "replace").splitlines()
+
+
+def progress_of(lines: list[str]) -> dict[str, Any]:
+    """The latest ``step`` and ``loss`` found in ``lines`` (newest last), and the last line."""
+    out: dict[str, Any] = {"step": None, "loss": None, "last_line": lines[-1] if lines else None}
+    for line in reversed(lines):
+        m = _STEP.search(line)
+        if m:
+            out["step"] = int(m.group(1))
+            lm = _LOSS.search(line)
+            out["loss"] = float(lm.group(1)) if lm else None
+            break
+    return out
+
+
+def rank_rows(store: Store, attempt: AttemptRecord) -> list[dict[str, Any]]:
+    """Every rank of an attempt with its node, pid, state, exit and progress."""
+    rows: dict[int, dict[str, Any]] = {}
+    for node in attempt.plan.get("nodes", []):
+        for r in node["ranks"]:
+            rows[r["global_rank"]] = {"global_rank": r["global_rank"], "local_rank": r["local_rank"],
+                                      "node_rank": node["node_rank"], "host": node["host"], "slot": r["slot"],
+                                      "pid": None, "state": "pending", "returncode": None, "how": None}
+    for ev in store.events(attempt.job_id):
+        if ev.attempt != attempt.number:
+            continue
+        if ev.kind == "ranks_started":
+            for r in ev.data.get("ranks", []):
+                row = rows.get(r["global_rank"])
+                if row is not None:
+                    row.update(pid=r.get("pid"), state="running")
+        elif ev.kind == "rank_exit":
+            row = rows.get(ev.data["global_rank"])
+            if row is not None and row["returncode"] is None:
+                code = ev.data["returncode"]
+                row.update(state="exited" if code == 0 else "failed", returncode=code, how=ev.data.get("how"))
+    if attempt.stopped_at is not None:
+        for row in rows.values():
+            if row["state"] in ("running", "pending"):
+                row["state"] = "stopped" if row["state"] == "running" else "not started"
+    for row in rows.values():
+        row.update(progress_of(_tail_bytes(log_path(attempt.plan, row["global_rank"]))))
+    return [rows[k] for k in sorted(rows)]
+
+
+def job_detail(store: Store, job_id: str) -> dict[str, Any]:
+    """A job with all its attempts and, for the latest, every rank's status and progress.
+
+    Raises:
+        NotFoundError: no such job.
+    """
+    job = store.get_job(job_id)
+    attempts = store.attempts(job.id)
+    current = attempts[-1] if attempts else None
+    d = job_summary(job, current)
+    d["spec"] = job.spec
+    d["attempts"] = [a.to_dict() for a in attempts]
+    if current is not None:
+        d["master_addr"] = current.plan.get("master_addr")
+        d["master_port"] = current.plan.get("master_port")
+        d["run_dir"] = current.plan.get("run_dir")
+        d["checkpoint_dir"] = current.plan.get("checkpoint_dir")
+        d["ranks"] = rank_rows(store, current)
+    else:
+        d["ranks"] = []
+    return d
+
+
+def read_log(store: Store, job_id: str, rank: int, attempt: int | None = None, offset: int = 0,
+             limit: int = 1 << 20) -> dict[str, Any]:
+    """Read a rank's log from byte ``offset``: ``{"data", "offset", "eof", "path"}``.
+
+    ``offset`` -1 means "the last ``limit`` bytes". ``eof`` is true when the attempt has
+    stopped and everything was read (a follower can stop).
+
+    Raises:
+        NotFoundError: no such job or attempt; ValueError: no such rank.
+    """
+    job = store.get_job(job_id)
+    rec = store.get_attempt(job.id, attempt or job.attempt)
+    if not any(r["global_rank"] == rank for n in rec.plan["nodes"] for r in n["ranks"]):
+        raise ValueError(f"Job {job.id} attempt {rec.number} has no rank {rank} "
+                         f"(world size {rec.plan['world_size']}).")
+    path = log_path(rec.plan, rank)
+    try:
+        size = path.stat().st_size
+    except OSError:
+        size = 0
+    if offset < 0:
+        offset = max(0, size - limit)
+    data = b""
+    if size > offset:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            data = f.read(limit)
+    new_offset = offset + len(data)
+    return {"data": data.decode("utf-8", "replace"), "offset": new_offset, "path": str(path),
+            "eof": rec.stopped_at is not None and new_offset >= size}
