@@ -14,6 +14,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from .errors import NotFoundError
 from .store import AttemptRecord, JobRecord, Store
 
 __all__ = ["job_summary", "job_detail", "rank_rows", "read_log", "progress_of", "log_path"]
@@ -124,12 +125,12 @@ def read_log(store: Store, job_id: str, rank: int, attempt: int | None = None, o
     stopped and everything was read (a follower can stop).
 
     Raises:
-        NotFoundError: no such job or attempt; ValueError: no such rank.
+        NotFoundError: no such job, attempt or rank.
     """
     job = store.get_job(job_id)
     rec = store.get_attempt(job.id, attempt or job.attempt)
     if not any(r["global_rank"] == rank for n in rec.plan["nodes"] for r in n["ranks"]):
-        raise ValueError(f"Job {job.id} attempt {rec.number} has no rank {rank} "
+        raise NotFoundError(f"Job {job.id} attempt {rec.number} has no rank {rank} "
                          f"(world size {rec.plan['world_size']}).")
     path = log_path(rec.plan, rank)
     try:

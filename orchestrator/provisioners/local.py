@@ -74,6 +74,7 @@ class LocalProvisioner(Provisioner):
         os.makedirs(log_dir, exist_ok=True)
         log_path = os.path.join(log_dir, f"node-{node.node_rank}.log")
         env = {k: v for k, v in os.environ.items() if not k.startswith("ORCH_")}
+        env["ORCH_AGENT_ATTEMPT_ID"] = plan.attempt_id  # marks the agent; not passed to ranks
         try:
             with open(log_path, "ab") as log:
                 proc = subprocess.Popen([self.python, "-u", "-m", "agents.agent"], stdin=subprocess.PIPE,

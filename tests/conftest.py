@@ -1,0 +1,131 @@
+"""Shared fixtures: a state directory, the ``orch`` command, specs, and leftover checks."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import psutil
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = ROOT / "tests" / "scripts"
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
+def job_processes(job_id: str) -> list[psutil.Process]:
+    """Every live process of a job: ranks (ORCH_ATTEMPT_ID) and agents (ORCH_AGENT_ATTEMPT_ID)."""
+    found = []
+    for proc in psutil.process_iter(["pid"]):
+        try:
+            env = proc.environ()
+            if proc.status() == psutil.STATUS_ZOMBIE:
+                continue
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, OSError):
+            continue
+        for key in ("ORCH_ATTEMPT_ID", "ORCH_AGENT_ATTEMPT_ID"):
+            if env.get(key, "").startswith(job_id + "."):
+                found.append(proc)
+                break
+    return found
+
+
+def wait_for(cond: Callable[[], Any], timeout: float, what: str, interval: float = 0.1) -> Any:
+    """Poll ``cond`` until it returns something truthy; fail with ``what`` after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = cond()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(interval)
+
+
+def assert_no_leftovers(job_id: str, timeout: float = 10.0) -> None:
+    """Every process of the job is gone (polled up to ``timeout`` seconds)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = job_processes(job_id)
+        if not left:
+            return
+        if time.monotonic() > deadline:
+            desc = [f"{p.pid} {' '.join(p.cmdline())[:120]}" for p in left if p.is_running()]
+            raise AssertionError(f"processes of job {job_id} left behind: {desc}")
+        time.sleep(0.1)
+
+
+class Orch:
+    """Runs the ``orch`` command against one state directory."""
+
+    def __init__(self, state_dir: Path) -> None:
+        self.state_dir = state_dir
+
+    def env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
+        env = dict(os.environ)
+        env["ORCH_STATE_DIR"] = str(self.state_dir)
+        env.pop("ORCH_SERVER", None)
+        env.update(extra or {})
+        return env
+
+    def cmd(self, *args: str) -> list[str]:
+        return [sys.executable, "-m", "orchestrator.cli", *args]
+
+    def __call__(self, *args: str, timeout: float = 600, env: dict[str, str] | None = None,
+                 check: bool | None = None) -> subprocess.CompletedProcess:
+        r = subprocess.run(self.cmd(*args), capture_output=True, text=True, timeout=timeout, env=self.env(env))
+        if check and r.returncode != 0:
+            raise AssertionError(f"orch {' '.join(args)} exited {r.returncode}:\n{r.stdout}\n{r.stderr}")
+        return r
+
+    def json(self, *args: str, **kw: Any) -> Any:
+        r = self(*args, "--output", "json", **kw)
+        try:
+            return json.loads(r.stdout)
+        except ValueError as err:
+            raise AssertionError(f"orch {' '.join(args)} printed no JSON ({r.returncode}):\n{r.stdout}\n{r.stderr}") from err
+
+    def popen(self, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+        return subprocess.Popen(self.cmd(*args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env=self.env(env), start_new_session=True)
+
+
+@pytest.fixture()
+def state_dir(tmp_path: Path) -> Path:
+    d = tmp_path / "state"
+    d.mkdir()
+    return d
+
+
+@pytest.fixture()
+def orch(state_dir: Path) -> Orch:
+    return Orch(state_dir)
+
+
+@pytest.fixture()
+def write_spec(tmp_path: Path) -> Callable[..., Path]:
+    """Write a job spec (YAML) from keyword fields; returns its path."""
+    counter = iter(range(1000))
+
+    def write(**fields: Any) -> Path:
+        fields.setdefault("name", "t")
+        path = tmp_path / f"job{next(counter)}.yaml"
+        path.write_text(yaml.safe_dump(fields, sort_keys=False))
+        return path
+    return write
+
+
+@pytest.fixture()
+def hostfile(tmp_path: Path) -> Callable[[str], Path]:
+    def write(text: str) -> Path:
+        p = tmp_path / "hostfile"
+        p.write_text(text)
+        return p
+    return write

@@ -1,0 +1,48 @@
+"""A stand-in rank for orchestration tests: steps, prints progress, fails on demand.
+
+Configured by environment (so launchers' argv handling is untouched):
+
+* ``WORKER_STEPS`` (default 5) steps of ``WORKER_STEP_S`` seconds (default 0.1) each,
+  printing ``step=<n> loss=<x> rank=<r>``.
+* ``WORKER_FAIL_RANK`` / ``WORKER_FAIL_AT``: that global rank, at that step, does
+  ``WORKER_FAIL_MODE``: ``exit:<code>`` (default ``exit:3``), ``raise`` (an exception),
+  ``kill`` (SIGKILL itself).
+* ``WORKER_IGNORE_TERM=1``: ignore SIGTERM (so only SIGKILL stops it).
+* ``WORKER_ESCAPEE=1``: start a child in a new session that sleeps for an hour (a process
+  that leaves the rank's process group, as a careless data loader might).
+* ``WORKER_READY_DIR``: touch ``<dir>/rank<r>.ready`` once running.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+rank = int(os.environ.get("RANK", "0"))
+steps = int(os.environ.get("WORKER_STEPS", "5"))
+step_s = float(os.environ.get("WORKER_STEP_S", "0.1"))
+fail_rank = int(os.environ.get("WORKER_FAIL_RANK", "-1"))
+fail_at = int(os.environ.get("WORKER_FAIL_AT", "0"))
+mode = os.environ.get("WORKER_FAIL_MODE", "exit:3")
+
+if os.environ.get("WORKER_IGNORE_TERM") == "1":
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+if os.environ.get("WORKER_ESCAPEE") == "1":
+    subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"], start_new_session=True)
+ready = os.environ.get("WORKER_READY_DIR")
+if ready:
+    os.makedirs(ready, exist_ok=True)
+    open(os.path.join(ready, f"rank{rank}.ready"), "w").close()
+
+print(f"worker rank {rank} argv={sys.argv[1:]}", flush=True)
+for step in range(1, steps + 1):
+    if rank == fail_rank and step == fail_at:
+        print(f"rank {rank} failing at step {step} ({mode})", flush=True)
+        if mode == "raise":
+            raise RuntimeError(f"deliberate failure on rank {rank}")
+        if mode == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        sys.exit(int(mode.split(":")[1]))
+    time.sleep(step_s)
+    print(f"step={step} loss={10.0 / step:.6f} rank={rank}", flush=True)

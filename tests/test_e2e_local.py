@@ -1,0 +1,236 @@
+"""End to end through the ``orch`` command with local agents: success, failures, cancel, bad input.
+
+The ranks are ``tests/scripts/worker.py`` (no DeepSpeed: these tests are about supervision,
+so they stay fast); DeepSpeed training end to end is in test_training.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import SCRIPTS, assert_no_leftovers, job_processes, wait_for
+from orchestrator.controller import Controller
+from orchestrator.state import JobState
+
+pytestmark = pytest.mark.integration
+
+WORKER = str(SCRIPTS / "worker.py")
+TWO_BY_TWO = "node-0 slots=2\nnode-1 slots=2\n"
+
+
+def spec_fields(hostfile: Path, **env: str) -> dict:
+    return {"name": "w", "hostfile": str(hostfile), "entrypoint": WORKER, "stop_grace_seconds": 2,
+            "env": {"WORKER_STEP_S": "0.05", **env}}
+
+
+def test_run_succeeds_and_the_store_keeps_it(orch, write_spec, hostfile) -> None:
+    spec = write_spec(**spec_fields(hostfile(TWO_BY_TWO), WORKER_STEPS="5"))
+    r = orch("run", str(spec))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "SUCCEEDED" in r.stdout
+    (job,) = orch.json("list")  # a new process: the store survived the controller
+    assert job["state"] == "SUCCEEDED" and job["nodes"] == ["node-0", "node-1"] and job["world_size"] == 4
+    detail = orch.json("status", job["id"])
+    assert [(x["global_rank"], x["host"], x["local_rank"], x["state"], x["returncode"], x["step"])
+            for x in detail["ranks"]] == [(0, "node-0", 0, "exited", 0, 5), (1, "node-0", 1, "exited", 0, 5),
+                                          (2, "node-1", 0, "exited", 0, 5), (3, "node-1", 1, "exited", 0, 5)]
+    assert detail["ranks"][0]["loss"] == pytest.approx(2.0)
+    states = [e["data"]["to"] for e in _events(orch, job["id"]) if e["kind"] == "state"]
+    assert states == ["PROVISIONING", "RUNNING", "SUCCEEDED"]
+    assert_no_leftovers(job["id"], timeout=1)
+
+
+def _events(orch, job_id: str) -> list[dict]:
+    from orchestrator.store import Store
+    return [e.to_dict() for e in Store(orch.state_dir / "orch.db").events(job_id)]
+
+
+@pytest.mark.parametrize("mode,how,log_needle", [
+    ("exit:3", "exit code 3", "failing at step 2"),
+    ("raise", "exit code 1", "RuntimeError: deliberate failure on rank 3"),
+    ("kill", "signal SIGKILL", "failing at step 2 (kill)"),
+])
+def test_one_rank_fails_and_everything_stops(orch, write_spec, hostfile, mode, how, log_needle) -> None:
+    spec = write_spec(**spec_fields(hostfile(TWO_BY_TWO), WORKER_STEPS="600", WORKER_FAIL_RANK="3",
+                                    WORKER_FAIL_AT="2", WORKER_FAIL_MODE=mode))
+    t0 = time.monotonic()
+    r = orch("run", str(spec), timeout=120)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert time.monotonic() - t0 < 30  # not the 30 s the other ranks would have run
+    (job,) = orch.json("list")
+    cause = orch.json("status", job["id"])["cause"]
+    assert cause["kind"] == "rank_exit" and cause["global_rank"] == 3 and cause["node"] == "node-1"
+    assert cause["node_rank"] == 1 and cause["local_rank"] == 1
+    assert cause["message"] == f"rank 3 (local rank 1) on node-1 (node 1) exited with {how}"
+    assert any(log_needle in line for line in cause["log_tail"])
+    assert f"rank 3 (local rank 1) on node-1 (node 1) exited with {how}" in r.stdout
+    assert_no_leftovers(job["id"], timeout=1)  # orch run returns only once every process is gone
+    ranks = orch.json("status", job["id"])["ranks"]
+    assert {x["global_rank"]: x["state"] for x in ranks}[3] == "failed"
+    assert all(x["state"] in ("failed", "stopped") for x in ranks)
+
+
+def test_rank_that_ignores_sigterm_is_killed_after_the_grace_period(orch, write_spec, hostfile) -> None:
+    spec = write_spec(**spec_fields(hostfile(TWO_BY_TWO), WORKER_STEPS="600", WORKER_FAIL_RANK="0",
+                                    WORKER_FAIL_AT="40", WORKER_IGNORE_TERM="1"))  # 2 s: all ignore TERM by then
+    t0 = time.monotonic()
+    r = orch("run", str(spec), timeout=120)
+    elapsed = time.monotonic() - t0
+    assert r.returncode == 1
+    (job,) = orch.json("list")
+    assert_no_leftovers(job["id"], timeout=1)
+    exits = [e["data"] for e in _events(orch, job["id"]) if e["kind"] == "rank_exit"]
+    assert sorted(e["how"] for e in exits if e["global_rank"] != 0) == ["signal SIGKILL"] * 3
+    assert elapsed >= 2  # the grace period was given before SIGKILL
+
+
+def test_processes_that_left_the_group_are_swept(orch, write_spec, hostfile) -> None:
+    spec = write_spec(**spec_fields(hostfile("node-0 slots=1\nnode-1 slots=1\n"), WORKER_STEPS="3",
+                                    WORKER_ESCAPEE="1"))
+    r = orch("run", str(spec))
+    assert r.returncode == 0, r.stderr
+    (job,) = orch.json("list")
+    assert_no_leftovers(job["id"], timeout=1)
+
+
+def test_cancel_from_another_process(orch, write_spec, hostfile, tmp_path) -> None:
+    ready = tmp_path / "ready"
+    spec = write_spec(**spec_fields(hostfile(TWO_BY_TWO), WORKER_STEPS="6000", WORKER_READY_DIR=str(ready)))
+    proc = orch.popen("run", str(spec))
+    try:
+        wait_for(lambda: len(list(ready.glob("*.ready"))) == 4, 60, "4 ranks running")
+        (job,) = orch.json("list")
+        assert job["state"] == "RUNNING"
+        t0 = time.monotonic()
+        r = orch("cancel", job["id"], "--wait", "30")
+        assert r.returncode == 0 and "CANCELLED" in r.stdout
+        assert proc.wait(30) == 1
+        assert time.monotonic() - t0 < 2 + 5  # within the grace period (2 s) and a little
+        assert_no_leftovers(job["id"], timeout=1)
+        detail = orch.json("status", job["id"])
+        assert detail["state"] == "CANCELLED" and detail["cause"]["kind"] == "cancelled"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_controller_killed_agents_stop_ranks_and_restart_recovers(orch, write_spec, hostfile, tmp_path) -> None:
+    ready = tmp_path / "ready"
+    spec = write_spec(**spec_fields(hostfile(TWO_BY_TWO), WORKER_STEPS="6000", WORKER_READY_DIR=str(ready)))
+    proc = orch.popen("run", str(spec))
+    wait_for(lambda: len(list(ready.glob("*.ready"))) == 4, 60, "4 ranks running")
+    (job,) = orch.json("list")
+    assert len(job_processes(job["id"])) >= 6  # 2 agents + 4 ranks
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert_no_leftovers(job["id"], timeout=10)  # agents saw their link close and stopped the ranks
+    assert orch.json("status", job["id"])["state"] == "RUNNING"  # nobody has recorded the end yet
+    c = Controller(orch.state_dir)
+    try:
+        assert c.recover() == [job["id"]]
+        rec = c.get(job["id"])
+        assert rec.state == JobState.FAILED and rec.cause["kind"] == "controller_lost"
+    finally:
+        c.close()
+    assert [e["data"].get("to") for e in _events(orch, job["id"]) if e["kind"] == "state"][-1] == "FAILED"
+
+
+@pytest.mark.parametrize("fields,hostfile_text,needles", [
+    ({"hostfile": "missing-hostfile"}, None, ["hostfile", "no such file", "missing-hostfile"]),
+    ({"include": "node-9"}, TWO_BY_TWO, ["node-9", "not in", "node-0"]),
+    ({"include": "node-1:2,3"}, TWO_BY_TWO, ["node-1", "0..1"]),
+    ({"include": "node-0:0,1,"}, TWO_BY_TWO, ["node-0:0,1,"]),
+    ({"launcher": "mpirun"}, TWO_BY_TWO, ["launcher", "'mpirun'", "pdsh"]),
+    ({"launcher": "openmpi"}, TWO_BY_TWO, ["openmpi", "not support"]),
+    ({"num_nodes": "two"}, TWO_BY_TWO, ["num_nodes", "integer", "'two'"]),
+    ({"entrypoint": "nope.py"}, TWO_BY_TWO, ["entrypoint", "no such file", "nope.py"]),
+    ({}, "node-0 lots=2\n", ["Line 1", "node-0 lots=2", "<host> slots=<n>"]),
+])
+def test_bad_input_is_one_clear_message_and_starts_nothing(orch, write_spec, hostfile, fields, hostfile_text,
+                                                          needles) -> None:
+    base = spec_fields(hostfile(hostfile_text) if hostfile_text else Path("x"))
+    base.update(fields)
+    spec = write_spec(**base)
+    for command in ("plan", "run"):
+        r = orch(command, str(spec))
+        assert r.returncode == 2, (command, r.stdout, r.stderr)
+        assert "Traceback" not in r.stderr and "Traceback" not in r.stdout
+        err = " ".join(r.stderr.split())
+        for needle in needles:
+            assert needle in err, (needle, r.stderr)
+    assert orch.json("list") == []
+
+
+def test_port_in_use_and_two_jobs_on_one_port(orch, write_spec, hostfile, tmp_path) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        busy = s.getsockname()[1]
+        spec = write_spec(**spec_fields(hostfile(TWO_BY_TWO)), master_port=busy)
+        r = orch("run", str(spec))
+        assert r.returncode == 2 and f"master_port {busy} is in use" in r.stderr
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ready = tmp_path / "ready"
+    long = spec_fields(hostfile(TWO_BY_TWO), WORKER_STEPS="6000", WORKER_READY_DIR=str(ready))
+    first = orch.popen("run", str(write_spec(**long, master_port=port)))
+    try:
+        wait_for(lambda: orch.json("list"), 30, "the first job in the store")
+        r = orch("run", str(write_spec(**spec_fields(hostfile(TWO_BY_TWO)), master_port=port)))
+        assert r.returncode == 2 and f"master_port {port} is already reserved by another orch job" in r.stderr
+        auto = orch.json("plan", str(write_spec(**spec_fields(hostfile(TWO_BY_TWO)))))
+        assert auto["master_port"] != port
+        r = orch("run", str(write_spec(**spec_fields(hostfile(TWO_BY_TWO), WORKER_STEPS="2"))))
+        assert r.returncode == 0, r.stderr  # an 'auto' job runs beside it on another port
+    finally:
+        os.killpg(first.pid, signal.SIGTERM)
+        first.wait(30)
+    for job in orch.json("list"):
+        assert_no_leftovers(job["id"])
+
+
+def test_logs_prefix_every_rank_and_select_one(orch, write_spec, hostfile) -> None:
+    spec = write_spec(**spec_fields(hostfile(TWO_BY_TWO), WORKER_STEPS="3"), args=["--lr", "0.1"])
+    assert orch("run", str(spec)).returncode == 0
+    (job,) = orch.json("list")
+    out = orch("logs", job["id"]).stdout.splitlines()
+    for rank in range(4):
+        assert f"[rank {rank}] step=3 loss=3.333333 rank={rank}" in out
+    assert any(line.startswith("[rank 2] worker rank 2 argv=['--local_rank=0', '--lr', '0.1']") for line in out)
+    one = orch("logs", job["id"], "--rank", "1").stdout.splitlines()
+    assert one[0] == "worker rank 1 argv=['--local_rank=1', '--lr', '0.1']" and one[-1] == "step=3 loss=3.333333 rank=1"
+    assert orch("logs", job["id"], "--rank", "1", "--tail", "1").stdout == "step=3 loss=3.333333 rank=1\n"
+    r = orch("logs", job["id"], "--rank", "9")
+    assert r.returncode == 2 and "no rank 9" in r.stderr
+
+
+def test_resume_refuses_a_succeeded_job_and_unknown_jobs(orch, write_spec, hostfile) -> None:
+    assert orch("run", str(write_spec(**spec_fields(hostfile(TWO_BY_TWO), WORKER_STEPS="1")))).returncode == 0
+    (job,) = orch.json("list")
+    r = orch("resume", job["id"])
+    assert r.returncode == 2 and "SUCCEEDED" in r.stderr and "only FAILED or CANCELLED" in r.stderr
+    r = orch("status", "nope")
+    assert r.returncode == 2 and "No job 'nope'" in r.stderr
+    assert json.loads(orch("status", "nope", "--output", "json").stdout)["kind"] == "NotFoundError"
+
+
+def test_plan_shows_ranks_env_and_real_command(orch, write_spec, hostfile) -> None:
+    spec = write_spec(**spec_fields(hostfile(TWO_BY_TWO)), launcher="standard", master_port=29999)
+    plan = orch.json("plan", str(spec))
+    assert plan["master_port"] == 29999 and plan["world_size"] == 4
+    r2 = plan["nodes"][1]["ranks"][0]
+    assert r2["global_rank"] == 2 and r2["env"]["GROUP_RANK"] == "1" and r2["env"]["LOCAL_WORLD_SIZE"] == "2"
+    assert plan["nodes"][0]["agent_store"] == {"addr": "127.0.0.1", "port": 29999}
+    assert [c["argv"][0] for c in plan["real_commands"]] == ["torchrun", "torchrun"]
+    text = orch("plan", str(spec)).stdout
+    assert "What the real standard launcher would run" in text and "--node_rank=1" in text
+    assert "GROUP_RANK=1" in text
+    assert orch.json("list") == []  # plan starts nothing
