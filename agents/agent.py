@@ -127,9 +127,9 @@ class Agent:
                 if kind == "eof":
                     return self._stop("controller went away (end of stream)", report=False)
             if self._signalled is not None:
-                return self._stop(f"agent received {signal.Signals(self._signalled).name}")
+                return self._stop_on_own(f"the agent received {signal.Signals(self._signalled).name}")
             if now - last_heard > self.lease_s:
-                return self._stop(f"no word from the controller for {self.lease_s:.0f} s", report=False)
+                return self._stop_on_own(f"no word from the controller for {self.lease_s:.0f} s")
             self._reap()
             if len(self.exited) == len(self.ranks):
                 self.writer.send({"type": "done", "exits": {str(k): v for k, v in self.exited.items()}})
@@ -155,6 +155,11 @@ class Agent:
             self.exited[proc.global_rank] = code
             self.writer.send({"type": "rank_exit", "global_rank": proc.global_rank, "returncode": code,
                               "how": describe_returncode(code), "at": time.time()})
+
+    def _stop_on_own(self, reason: str) -> int:
+        """Stop without being told to: say why first, so the controller records the cause."""
+        self.writer.send({"type": "stopping", "reason": reason})
+        return self._stop(reason)
 
     def _stop(self, reason: str, report: bool = True) -> int:
         stop_all(self.ranks, self.grace)

@@ -14,7 +14,8 @@ Agent -> controller:
     ``spawn_failed`` {global_rank, error}: a rank could not be started.
     ``rank_exit`` {global_rank, returncode, how, at}: a rank ended.
     ``heartbeat`` {at}: the agent is alive (every ``heartbeat_s`` seconds).
-    ``stopped`` {reason, exits: {rank: returncode}}: ranks stopped on request; the agent exits.
+    ``stopping`` {reason}: the agent stops its ranks on its own (a signal, its lease ran out).
+    ``stopped`` {reason, exits: {rank: returncode}}: ranks stopped; the agent exits.
     ``done`` {}: every rank of the node ended by itself; the agent exits.
     ``error`` {message}: the agent cannot go on; it stops its ranks and exits.
 

@@ -190,7 +190,7 @@ def _ranks_table(detail: dict) -> Table:
         t.add_row(str(r["global_rank"]), f"{r['host']} ({r['node_rank']})", str(r["local_rank"]),
                   str(r["pid"] or "-"), _styled(state) if r["returncode"] in (None, 0) else Text(state, "bold red"),
                   str(r["step"] if r["step"] is not None else "-"), _fmt_loss(r["loss"]),
-                  (r.get("last_line") or "")[:200])
+                  Text((r.get("last_line") or "")[:200]))
     return t
 
 
@@ -315,17 +315,23 @@ def _follow_embedded(controller: Any, job_id: str, args: argparse.Namespace) -> 
 
 
 def _follow_plain(controller: Any, job_id: str, run: Any, args: argparse.Namespace) -> None:
-    """Progress as plain lines (no terminal, or --output json: then on stderr)."""
+    """Progress as plain lines (no terminal, or --output json: then on stderr).
+
+    Every state change is printed (from the job's events, so none is missed), and at
+    most every 5 seconds the step and loss of every rank that reports them.
+    """
     from .views import job_detail
     out = _err if args.output == "json" else _console
-    last_state, last_print, last_steps = None, 0.0, None
+    seen_event, last_print, last_steps = 0, 0.0, None
     while True:
         finished = run is None or run.done.wait(0.5)
+        for ev in controller.store.events(job_id, since_id=seen_event):
+            seen_event = ev.id
+            if ev.kind == "state":
+                cause = (ev.data.get("cause") or {}).get("message")
+                out.print(f"[{time.strftime('%H:%M:%S', time.localtime(ev.at))}] job {job_id} {ev.data['to']}"
+                          f" (attempt {ev.attempt}){': ' + cause if cause else ''}", markup=False, highlight=False)
         d = job_detail(controller.store, job_id)
-        if d["state"] != last_state:
-            out.print(f"[{time.strftime('%H:%M:%S')}] job {job_id} {d['state']} (attempt {d['attempt']})",
-                      markup=False, highlight=False)
-            last_state = d["state"]
         steps = [(r["global_rank"], r["step"], r["loss"]) for r in d["ranks"]]
         if steps != last_steps and time.monotonic() - last_print >= 5 and any(s[1] is not None for s in steps):
             out.print(f"[{time.strftime('%H:%M:%S')}] " + "  ".join(
@@ -484,8 +490,31 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     return 0
 
 
+def _quiet_server_class() -> type:
+    import contextlib
+
+    import uvicorn
+
+    class QuietServer(uvicorn.Server):
+        """uvicorn's server, except that SIGTERM/SIGINT only end serving and are not
+        re-raised afterwards (uvicorn re-raises them), so ``orch server`` can stop the jobs
+        it runs and exit 0."""
+
+        @contextlib.contextmanager
+        def capture_signals(self):  # type: ignore[override]
+            old = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in old.items():
+                    signal.signal(sig, handler)
+
+    return QuietServer
+
+
 def cmd_server(args: argparse.Namespace) -> int:
     import uvicorn
+    _QuietServer = _quiet_server_class()  # noqa: N806
 
     from .api import create_app
     from .controller import Controller
@@ -500,8 +529,10 @@ def cmd_server(args: argparse.Namespace) -> int:
     _server_file(state_dir).write_text(json.dumps({"url": url, "pid": os.getpid(),
                                                    "create_time": psutil.Process().create_time()}))
     _err.print(f"orch server {__version__} on {url} (state dir {state_dir})", markup=False, highlight=False)
+    server = _QuietServer(uvicorn.Config(create_app(controller), host=args.host, port=args.port,
+                                         log_level="warning"))
     try:
-        uvicorn.run(create_app(controller), host=args.host, port=args.port, log_level="warning")
+        server.run()
     finally:
         _err.print("orch server stopping: cancelling the jobs it runs...")
         controller.close(cancel=True)

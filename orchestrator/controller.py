@@ -172,6 +172,7 @@ class AttemptRun:
         self.cancel_event = threading.Event()
         self.done = threading.Event()
         self._rank_node = {r.global_rank: n for n, r in plan.ranks()}
+        self._last_ping = 0.0
         self._thread = threading.Thread(target=self._main, name=f"attempt-{plan.attempt_id}", daemon=True)
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -220,6 +221,17 @@ class AttemptRun:
         if self.cancel_event.is_set() and not self.state.is_terminal():
             self._finish_cancelled()
         self._check_heartbeats()
+        self._ping()
+
+    def _ping(self) -> None:
+        """Renew every agent's lease (agents stop their ranks when the controller falls silent)."""
+        now = time.monotonic()
+        if now - self._last_ping < self.c.heartbeat_s:
+            return
+        self._last_ping = now
+        for node_rank, handle in self.agents.items():
+            if self.node_state[node_rank] not in ("done", "stopped", "gone"):
+                handle.send({"type": "ping"})
 
     # -- message handlers ---------------------------------------------------------------------
 
@@ -259,6 +271,11 @@ class AttemptRun:
 
     def _on_stopped(self, node_rank: int, msg: dict) -> None:
         self.node_state[node_rank] = "stopped"
+
+    def _on_stopping(self, node_rank: int, msg: dict) -> None:
+        self._fail({"kind": "agent_stopped", "node": self._host(node_rank), "node_rank": node_rank,
+                    "message": f"the agent on {self._host(node_rank)} (node {node_rank}) stopped its ranks: "
+                               f"{msg.get('reason')}"})
 
     def _on_spawn_failed(self, node_rank: int, msg: dict) -> None:
         self._fail({"kind": "spawn_failed", "node": self._host(node_rank), "node_rank": node_rank,
@@ -382,23 +399,26 @@ class Controller:
         state_dir: where the store, run directories and port locks live.
         clock: wall clock for the store (epoch seconds); injectable for tests.
         provisioner_factory: name -> Provisioner (tests may replace it).
-        heartbeat_s: how often agents send heartbeats.
-        node_timeout_s: silence after which a node counts as lost.
-        agent_lease_s: silence from the controller after which an agent stops its ranks.
+        heartbeat_s: how often agents send heartbeats and the controller pings them
+            (default ``$ORCH_HEARTBEAT_S`` or 1 s).
+        node_timeout_s: an agent's silence after which its node counts as lost
+            (default ``$ORCH_NODE_TIMEOUT_S`` or 10 s).
+        agent_lease_s: the controller's silence after which an agent stops its ranks
+            (default ``$ORCH_AGENT_LEASE_S`` or 30 s).
         owner_url: the API URL of this controller, recorded as the owner of its jobs.
     """
 
     def __init__(self, state_dir: str | Path | None = None, *, clock: Callable[[], float] = time.time,
                  provisioner_factory: Callable[[str], Provisioner] = get_provisioner,
-                 heartbeat_s: float = 1.0, node_timeout_s: float = 10.0, agent_lease_s: float = 30.0,
-                 owner_url: str | None = None) -> None:
+                 heartbeat_s: float | None = None, node_timeout_s: float | None = None,
+                 agent_lease_s: float | None = None, owner_url: str | None = None) -> None:
         self.state_dir = Path(state_dir or default_state_dir()).expanduser().resolve()
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.store = Store(self.state_dir / "orch.db", clock)
         self.provisioner_factory = provisioner_factory
-        self.heartbeat_s = heartbeat_s
-        self.node_timeout_s = node_timeout_s
-        self.agent_lease_s = agent_lease_s
+        self.heartbeat_s = heartbeat_s or _env_seconds("ORCH_HEARTBEAT_S", 1.0)
+        self.node_timeout_s = node_timeout_s or _env_seconds("ORCH_NODE_TIMEOUT_S", 10.0)
+        self.agent_lease_s = agent_lease_s or _env_seconds("ORCH_AGENT_LEASE_S", 30.0)
         proc = psutil.Process()
         self.owner = {"pid": proc.pid, "host": socket.gethostname(), "create_time": proc.create_time(),
                       "url": owner_url}
@@ -564,6 +584,15 @@ class Controller:
                         run.cancel_event.set()
                 except (OrchError, Exception):  # noqa: BLE001 - store closed at shutdown
                     continue
+
+
+def _env_seconds(name: str, default: float) -> float:
+    """A positive number of seconds from the environment, else ``default``."""
+    try:
+        value = float(os.environ.get(name, ""))
+    except ValueError:
+        return default
+    return value if value > 0 else default
 
 
 def _owner_alive(owner: dict[str, Any] | None) -> bool:

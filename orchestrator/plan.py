@@ -12,7 +12,7 @@ planner can be tested exhaustively and plans thousands of nodes in milliseconds.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
 from .errors import PlanError
@@ -274,11 +274,12 @@ def make_plan(spec: JobSpec, pool: ResourcePool, inputs: PlanInputs) -> JobPlan:
         defaults = {k: v for k, v in launcher.env_defaults(ctx, node_rank).items() if k not in spec.env}
         nodes.append(NodePlan(node_rank, host, tuple(slots), ranks, spec.workdir, log_dir,
                               {"addr": store[0], "port": store[1]} if store else None, defaults))
+    shown = replace(ctx, exports={**exports, **spec.env})  # what the real tool would export
     return JobPlan(
         job_id=inputs.job_id, job_name=spec.name, attempt=inputs.attempt, launcher=launcher.name,
         provisioner=spec.provisioner, master_addr=ctx.master_addr, master_port=ctx.master_port,
-        world_size=ctx.world_size, nodes=tuple(nodes), real_commands=tuple(launcher.real_commands(ctx)),
+        world_size=ctx.world_size, nodes=tuple(nodes), real_commands=tuple(launcher.real_commands(shown)),
         exports={**exports, **spec.env}, run_dir=inputs.run_dir, checkpoint_dir=inputs.checkpoint_dir,
         resume_tag=inputs.resume_tag, deepspeed_config=dict(inputs.deepspeed_config),
         deepspeed_config_path=inputs.deepspeed_config_path, grace=spec.stop_grace_seconds,
-        warnings=tuple(pool.warnings) + tuple(launcher.warnings(ctx)))
+        warnings=tuple(pool.warnings) + tuple(launcher.warnings(shown)))

@@ -68,8 +68,10 @@ class Orch:
     def __init__(self, state_dir: Path) -> None:
         self.state_dir = state_dir
 
-    def env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
-        env = dict(os.environ)
+    def env(self, extra: dict[str, str] | None = None, replace: bool = False) -> dict[str, str]:
+        """The command's environment: ``os.environ`` (only ``extra`` with ``replace``), plus
+        ``ORCH_STATE_DIR``, without ``ORCH_SERVER``, with ``extra`` laid over it."""
+        env = {} if replace else dict(os.environ)
         env["ORCH_STATE_DIR"] = str(self.state_dir)
         env.pop("ORCH_SERVER", None)
         env.update(extra or {})
@@ -79,8 +81,9 @@ class Orch:
         return [sys.executable, "-m", "orchestrator.cli", *args]
 
     def __call__(self, *args: str, timeout: float = 600, env: dict[str, str] | None = None,
-                 check: bool | None = None) -> subprocess.CompletedProcess:
-        r = subprocess.run(self.cmd(*args), capture_output=True, text=True, timeout=timeout, env=self.env(env))
+                 check: bool | None = None, replace_env: bool = False) -> subprocess.CompletedProcess:
+        r = subprocess.run(self.cmd(*args), capture_output=True, text=True, timeout=timeout,
+                           env=self.env(env, replace=replace_env))
         if check and r.returncode != 0:
             raise AssertionError(f"orch {' '.join(args)} exited {r.returncode}:\n{r.stdout}\n{r.stderr}")
         return r

@@ -234,3 +234,26 @@ def test_plan_shows_ranks_env_and_real_command(orch, write_spec, hostfile) -> No
     assert "What the real standard launcher would run" in text and "--node_rank=1" in text
     assert "GROUP_RANK=1" in text
     assert orch.json("list") == []  # plan starts nothing
+
+
+def test_agents_stop_their_ranks_when_the_controller_falls_silent(orch, write_spec, hostfile, tmp_path) -> None:
+    ready = tmp_path / "ready"
+    spec = write_spec(**spec_fields(hostfile(TWO_BY_TWO), WORKER_STEPS="6000", WORKER_READY_DIR=str(ready)))
+    proc = orch.popen("run", str(spec), env={"ORCH_AGENT_LEASE_S": "3"})
+    try:
+        wait_for(lambda: len(list(ready.glob("*.ready"))) == 4, 60, "4 ranks running")
+        (job,) = orch.json("list")
+        proc.send_signal(signal.SIGSTOP)  # the controller is alive but says nothing
+        t0 = time.monotonic()
+        wait_for(lambda: not [p for p in job_processes(job["id"]) if "worker.py" in " ".join(p.cmdline())],
+                 20, "the ranks to be stopped by their agents")
+        assert time.monotonic() - t0 < 3 + 2 + 2  # lease + grace + a little
+        proc.send_signal(signal.SIGCONT)
+        assert proc.wait(30) == 1
+        cause = orch.json("status", job["id"])["cause"]
+        assert cause["kind"] == "agent_stopped" and "no word from the controller for 3 s" in cause["message"]
+        assert_no_leftovers(job["id"])
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGCONT)
+            os.killpg(proc.pid, signal.SIGKILL)

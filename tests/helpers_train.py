@@ -1,0 +1,180 @@
+"""Start examples/train_gpt.py on N local "nodes" with DeepSpeed's real per-node launcher.
+
+Each node is one ``python -m deepspeed.launcher.launch --world_info=... --node_rank=k`` process
+(in its own process group, so a test can kill a whole node), all on 127.0.0.1. The ranks'
+stdout is merged per node; the training script writes whole lines with one write() each, so
+``parse_train_lines`` can read every rank's ``[train]`` lines back out of it.
+
+Also usable by hand::
+
+    python tests/helpers_train.py --nodes 2 --slots 2 --config examples/ds_zero2.json \\
+        --ckpt /tmp/ckpt -- --steps 300 --checkpoint-interval 100
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "examples" / "train_gpt.py"
+EXAMPLES = REPO / "examples"
+
+# Small and fast: what the integration tests train.
+TINY_ARGS = ["--n-layer", "2", "--n-head", "2", "--d-model", "32", "--seq-len", "32", "--corpus-bytes", "200000",
+             "--log-interval", "5"]
+
+TRAIN_RE = re.compile(r"^\[train\] step=(\d+) rank=(\d+) loss=(\S+) lr=(\S+)")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def world_info_b64(nodes: int, slots: int) -> str:
+    info = {f"n{k}": list(range(slots)) for k in range(nodes)}
+    return base64.urlsafe_b64encode(json.dumps(info).encode()).decode()
+
+
+def base_env(extra: dict | None = None) -> dict:
+    env = dict(os.environ)
+    for k in ("ORCH_RESUME_TAG", "ORCH_CHECKPOINT_DIR", "ORCH_DEEPSPEED_CONFIG", "RANK", "LOCAL_RANK", "WORLD_SIZE",
+              "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    env.update({"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+                "PYTHONPATH": str(REPO) + os.pathsep + env.get("PYTHONPATH", "")})
+    env.update(extra or {})
+    return env
+
+
+@dataclass
+class Job:
+    procs: list
+    logs: list
+    started: float = field(default_factory=time.time)
+
+    def wait(self, timeout: float) -> list[int]:
+        deadline = self.started + timeout
+        codes = []
+        for p in self.procs:
+            try:
+                codes.append(p.wait(timeout=max(0.1, deadline - time.time())))
+            except subprocess.TimeoutExpired:
+                self.kill()
+                raise TimeoutError(f"training did not finish in {timeout}s; output:\n{self.output()[-4000:]}")
+        return codes
+
+    def kill(self, sig=signal.SIGKILL) -> None:
+        """Signal every node's whole process group (launcher and its ranks)."""
+        for p in self.procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, sig)
+                except ProcessLookupError:
+                    pass
+        for p in self.procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                pass
+
+    def output(self) -> str:
+        return "".join(Path(f).read_text(errors="replace") for f in self.logs)
+
+
+def start(config: str | Path, train_args: list[str], *, ckpt_dir: str | Path | None = None,
+          resume_tag: str | None = None, nodes: int = 2, slots: int = 2, log_dir: str | Path,
+          env: dict | None = None) -> Job:
+    """Start ``nodes`` launchers; config goes through ``ORCH_DEEPSPEED_CONFIG`` as orch passes it."""
+    log_dir = Path(log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    extra = {"ORCH_DEEPSPEED_CONFIG": str(config)}
+    if ckpt_dir is not None:
+        extra["ORCH_CHECKPOINT_DIR"] = str(ckpt_dir)
+    if resume_tag:
+        extra["ORCH_RESUME_TAG"] = resume_tag
+    extra.update(env or {})
+    e = base_env(extra)
+    port = free_port()
+    winfo = world_info_b64(nodes, slots)
+    procs, logs = [], []
+    for k in range(nodes):
+        cmd = [sys.executable, "-u", "-m", "deepspeed.launcher.launch", f"--world_info={winfo}", f"--node_rank={k}",
+               "--master_addr=127.0.0.1", f"--master_port={port}", str(SCRIPT), *train_args]
+        log = log_dir / f"node{k}.log"
+        with open(log, "wb") as f:
+            procs.append(subprocess.Popen(cmd, cwd=REPO, env=e, stdout=f, stderr=subprocess.STDOUT,
+                                          start_new_session=True))
+        logs.append(str(log))
+    return Job(procs, logs)
+
+
+def run(config, train_args, *, timeout: float = 300, **kw) -> tuple[list[int], str]:
+    job = start(config, train_args, **kw)
+    codes = job.wait(timeout)
+    return codes, job.output()
+
+
+def parse_train_lines(text: str) -> dict[tuple[int, int], float]:
+    """``{(step, rank): loss}`` from ``[train]`` lines; a duplicate (step, rank) is an error."""
+    losses = {}
+    for line in text.splitlines():
+        m = TRAIN_RE.match(line)
+        if m:
+            key = (int(m.group(1)), int(m.group(2)))
+            if key in losses:
+                raise AssertionError(f"duplicate [train] line for step/rank {key}")
+            losses[key] = float(m.group(3))
+    return losses
+
+
+def prebuild_ops(timeout: float = 900) -> None:
+    """JIT-build (or load from ~/.cache/torch_extensions) the C++ ops the ranks need, once, here.
+
+    ``deepspeed_shm_comm`` is loaded by every rank when DeepSpeed's torch backend starts on the
+    CPU accelerator; ``cpu_adam`` by optimizer offload. Building takes ~1 min each on 2 cores;
+    loading a cached build takes seconds.
+    """
+    code = ("from deepspeed.accelerator import get_accelerator\n"
+            "for n in ('ShareMemCommBuilder', 'CPUAdamBuilder'):\n"
+            "    get_accelerator().create_op_builder(n).load()\n")
+    subprocess.run([sys.executable, "-c", code], env=base_env(), check=True, timeout=timeout,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def _main() -> int:
+    import argparse
+    p = argparse.ArgumentParser()
+    p.add_argument("--nodes", type=int, default=2)
+    p.add_argument("--slots", type=int, default=2)
+    p.add_argument("--config", default=str(EXAMPLES / "ds_zero2.json"))
+    p.add_argument("--ckpt", default=None)
+    p.add_argument("--resume-tag", default=None)
+    p.add_argument("--log-dir", default="/tmp/train_gpt_logs")
+    p.add_argument("--timeout", type=float, default=3600)
+    p.add_argument("train_args", nargs=argparse.REMAINDER)
+    a = p.parse_args()
+    targs = a.train_args[1:] if a.train_args[:1] == ["--"] else a.train_args
+    t0 = time.time()
+    job = start(a.config, targs, ckpt_dir=a.ckpt, resume_tag=a.resume_tag, nodes=a.nodes, slots=a.slots,
+                log_dir=a.log_dir)
+    codes = job.wait(a.timeout)
+    text = job.output()
+    print("\n".join(line for line in text.splitlines() if not line.startswith("[train]")))
+    print(f"exit codes {codes}; wall {time.time() - t0:.1f}s; logs in {a.log_dir}")
+    return max(codes)
+
+
+if __name__ == "__main__":
+    sys.exit(_main())

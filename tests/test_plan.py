@@ -1,0 +1,96 @@
+"""The pure planner: rank numbering, environment layering, orch's variables, errors."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+
+from orchestrator.errors import LaunchError, PlanError
+from orchestrator.hostfile import ResourcePool, resolve_pool
+from orchestrator.plan import PlanInputs, make_plan
+from orchestrator.spec import spec_from_dict
+
+
+def _spec(tmp_path, **fields):
+    (tmp_path / "train.py").write_text("")
+    base = {"name": "p", "entrypoint": "train.py", "workdir": str(tmp_path)}
+    base.update(fields)
+    return spec_from_dict(base, tmp_path)
+
+
+def _inputs(**kw) -> PlanInputs:
+    base = dict(job_id="p-abc123", master_port=29555, run_dir="/runs/p/attempt-1", checkpoint_dir="/ck",
+                python="/usr/bin/python3", controller_env={"PYTHONPATH": "/site", "HOME": "/root"},
+                controller_cwd="/work")
+    base.update(kw)
+    return PlanInputs(**base)
+
+
+def _pool(*hosts: tuple[str, int], **filters) -> ResourcePool:
+    return resolve_pool(collections.OrderedDict(hosts), **filters)
+
+
+def test_ranks_are_numbered_node_by_node_in_hostfile_order(tmp_path) -> None:
+    plan = make_plan(_spec(tmp_path), _pool(("b", 2), ("a", 3), include="b:1@a:0,2"), _inputs())
+    assert [(n.node_rank, n.host, n.slots) for n in plan.nodes] == [(0, "b", (1,)), (1, "a", (0, 2))]
+    # DeepSpeed's launch.py: LOCAL_RANK = RANK % ranks on the node, and the slot is slots[LOCAL_RANK]
+    assert [(n.host, r.global_rank, r.local_rank, r.slot, r.env["RANK"]) for n, r in plan.ranks()] == [
+        ("b", 0, 0, 1, "0"), ("a", 1, 1, 2, "1"), ("a", 2, 0, 0, "2")]
+    assert plan.world_size == 3 and plan.master_addr == "127.0.0.1" and plan.master_port == 29555
+
+
+def test_environment_layers_and_orch_variables(tmp_path) -> None:
+    spec = _spec(tmp_path, env={"RANK": "99", "PYTHONPATH": "/mine", "X": "a $b"}, deepspeed_config={"a": 1})
+    plan = make_plan(spec, _pool(("n0", 1), ("n1", 1)), _inputs(resume_tag="step_20", attempt=3))
+    env = plan.nodes[1].ranks[0].env
+    assert env["RANK"] == "1"  # the launcher's own variables win over the spec's env
+    assert env["PYTHONPATH"] == "/mine" and env["X"] == "a $b"  # the spec's env wins over pdsh's exports
+    assert env["ORCH_JOB_ID"] == "p-abc123" and env["ORCH_ATTEMPT"] == "3" and env["ORCH_RESTART_COUNT"] == "2"
+    assert env["ORCH_ATTEMPT_ID"] == "p-abc123.3" and env["ORCH_NODE"] == "n1" and env["ORCH_NODE_RANK"] == "1"
+    assert env["ORCH_RESUME_TAG"] == "step_20" and env["ORCH_CHECKPOINT_DIR"] == "/ck"
+    assert env["ORCH_DEEPSPEED_CONFIG"] == "/runs/p/attempt-1/ds_config.json"
+    # what the real pdsh would export includes the spec's env (and warns about the '$')
+    (real,) = plan.real_commands
+    assert "export X=\"a $b\"; " in " ".join(real.argv)
+    assert any("'a $b'" in w and "orch passes it exactly" in w for w in plan.warnings)
+
+
+def test_no_resume_tag_means_no_variable(tmp_path) -> None:
+    plan = make_plan(_spec(tmp_path), _pool(("n0", 1)), _inputs())
+    env = plan.nodes[0].ranks[0].env
+    assert "ORCH_RESUME_TAG" not in env and "ORCH_DEEPSPEED_CONFIG" not in env
+
+
+def test_deepspeed_args_appends_the_config_path(tmp_path) -> None:
+    spec = _spec(tmp_path, args=["--x", "1"], deepspeed_config={"a": 1}, deepspeed_args=True)
+    argv = make_plan(spec, _pool(("n0", 1)), _inputs()).nodes[0].ranks[0].argv
+    assert list(argv[-5:]) == ["--x", "1", "--deepspeed", "--deepspeed_config", "/runs/p/attempt-1/ds_config.json"]
+    assert argv[2:4] == (str(tmp_path / "train.py"), "--local_rank=0")
+
+
+def test_standard_launcher_asks_node_0_to_host_the_store(tmp_path) -> None:
+    plan = make_plan(_spec(tmp_path, launcher="standard"), _pool(("n0", 2), ("n1", 2)), _inputs())
+    assert plan.nodes[0].agent_store == {"addr": "127.0.0.1", "port": 29555}
+    assert plan.nodes[1].agent_store is None
+    assert plan.nodes[1].ranks[1].env["TORCHELASTIC_RUN_ID"] == "p-abc123"
+
+
+def test_pool_problems_are_plan_errors(tmp_path) -> None:
+    with pytest.raises(PlanError, match="n1 have no slots"):
+        make_plan(_spec(tmp_path), _pool(("n0", 1), ("n1", 0)), _inputs())
+    with pytest.raises(PlanError, match="No slots are left"):
+        make_plan(_spec(tmp_path), ResourcePool(nodes=()), _inputs())
+
+
+def test_unsupported_launcher(tmp_path) -> None:
+    with pytest.raises(LaunchError, match="openmpi.*not support"):
+        make_plan(_spec(tmp_path, launcher="openmpi"), _pool(("n0", 1)), _inputs())
+
+
+def test_plan_round_trips_through_json(tmp_path) -> None:
+    import json
+    plan = make_plan(_spec(tmp_path), _pool(("n0", 2), ("n1", 2)), _inputs())
+    d = json.loads(json.dumps(plan.to_dict()))
+    assert d["nodes"][1]["ranks"][1]["env"]["RANK"] == "3" and d["world_size"] == 4
+    assert d["nodes"][0]["env_defaults"] == {"PYTORCH_NVML_BASED_CUDA_CHECK": "1"}

@@ -1,0 +1,144 @@
+"""``orch server`` and the commands that talk to it: submit, list, status, logs, cancel, resume.
+
+A real server process on a free port; the CLI finds it through the state directory.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import time
+
+import httpx
+import pytest
+
+from conftest import SCRIPTS, assert_no_leftovers, wait_for
+
+pytestmark = pytest.mark.integration
+
+WORKER = str(SCRIPTS / "worker.py")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture()
+def server(orch):
+    port = _free_port()
+    proc = orch.popen("server", "--port", str(port))
+    url = f"http://127.0.0.1:{port}"
+
+    def up() -> bool:
+        try:
+            return httpx.get(f"{url}/api/health", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+    wait_for(up, 30, "the server to answer")
+    yield proc, url
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+
+
+def test_submit_follow_cancel_resume_through_the_server(orch, server, write_spec, hostfile, tmp_path) -> None:
+    proc, url = server
+    ready = tmp_path / "ready"
+    spec = write_spec(name="srv", hostfile=str(hostfile("a slots=1\nb slots=1\n")), entrypoint=WORKER,
+                      stop_grace_seconds=2,
+                      env={"WORKER_STEPS": "6000", "WORKER_STEP_S": "0.05", "WORKER_READY_DIR": str(ready)})
+    sub = orch.json("submit", str(spec))
+    job_id = sub["id"]
+    assert sub["state"] in ("PENDING", "PROVISIONING", "RUNNING")
+    assert json.loads((orch.state_dir / "server.json").read_text())["url"] == url
+    wait_for(lambda: orch.json("status", job_id)["state"] == "RUNNING", 60, "RUNNING")
+    wait_for(lambda: all(r["step"] for r in orch.json("status", job_id)["ranks"]), 60, "steps on every rank")
+    listed = httpx.get(f"{url}/api/jobs").json()
+    assert [j["id"] for j in listed] == [job_id] and listed[0]["world_size"] == 2
+    logs = httpx.get(f"{url}/api/jobs/{job_id}/logs", params={"rank": 1}).json()
+    assert "step=1 loss=10.000000 rank=1" in logs["data"] and logs["eof"] is False
+
+    r = orch("cancel", job_id, "--wait", "30")
+    assert r.returncode == 0 and "CANCELLED" in r.stdout
+    assert_no_leftovers(job_id)
+
+    res = orch.json("resume", job_id)  # the server runs attempt 2; the CLI returns at once
+    assert res["attempt"] == 2 and res["restarts"] == 1
+    wait_for(lambda: orch.json("status", job_id)["state"] == "RUNNING", 60, "attempt 2 RUNNING")
+    follow = orch.popen("logs", job_id, "--rank", "0", "--follow")
+    time.sleep(1.0)
+    orch("cancel", job_id, "--wait", "30")
+    out, _ = follow.communicate(timeout=30)  # --follow ends when the attempt has stopped
+    assert follow.returncode == 0 and "step=1 loss=10.000000 rank=0" in out
+    detail = orch.json("status", job_id)
+    assert [a["state"] for a in detail["attempts"]] == ["CANCELLED", "CANCELLED"]
+    assert all(a["stopped_at"] for a in detail["attempts"])
+
+    bad = httpx.post(f"{url}/api/jobs/{job_id}/resume?x=1")
+    assert bad.status_code == 200  # resumable again
+    orch("cancel", job_id, "--wait", "30")
+    missing = httpx.get(f"{url}/api/jobs/nope")
+    assert missing.status_code == 404 and "No job 'nope'" in missing.json()["error"]
+    done = httpx.post(f"{url}/api/jobs", json={"spec": {"name": "x"}})
+    assert done.status_code == 400 and "entrypoint" in done.json()["error"]
+
+
+def test_server_restart_keeps_history_and_stops_jobs_on_shutdown(orch, server, write_spec, hostfile,
+                                                                 tmp_path) -> None:
+    proc, url = server
+    ok = write_spec(name="quick", hostfile=str(hostfile("a slots=1\n")), entrypoint=WORKER,
+                    env={"WORKER_STEPS": "2", "WORKER_STEP_S": "0.01"})
+    job = orch.json("submit", str(ok))["id"]
+    wait_for(lambda: orch.json("status", job)["state"] == "SUCCEEDED", 60, "SUCCEEDED")
+    ready = tmp_path / "ready"
+    long = write_spec(name="long", hostfile=str(hostfile("a slots=1\n")), entrypoint=WORKER,
+                      env={"WORKER_STEPS": "6000", "WORKER_STEP_S": "0.05", "WORKER_READY_DIR": str(ready)})
+    long_id = orch.json("submit", str(long))["id"]
+    wait_for(lambda: list(ready.glob("*.ready")), 60, "the long job's rank")
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(60) == 0
+    assert_no_leftovers(long_id)
+    assert not (orch.state_dir / "server.json").exists()
+    # without a server, the commands read the store directly
+    jobs = {j["id"]: j["state"] for j in orch.json("list")}
+    assert jobs == {job: "SUCCEEDED", long_id: "CANCELLED"}
+    r = orch("submit", str(ok))
+    assert r.returncode == 2 and "No orch server is running" in r.stderr
+    # a new server finds them all, with their history
+    port = int(url.rsplit(":", 1)[1])
+    again = orch.popen("server", "--port", str(port))
+    try:
+        wait_for(lambda: _answers(url), 30, "the restarted server")
+        assert {j["id"] for j in httpx.get(f"{url}/api/jobs").json()} == {job, long_id}
+        events = httpx.get(f"{url}/api/jobs/{job}/events").json()
+        assert [e["data"].get("to") for e in events if e["kind"] == "state"] == ["PROVISIONING", "RUNNING",
+                                                                                "SUCCEEDED"]
+    finally:
+        again.send_signal(signal.SIGTERM)
+        again.wait(60)
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/api/health", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def test_server_listens_on_loopback_by_default(orch, server) -> None:
+    proc, url = server
+    assert url.startswith("http://127.0.0.1:")
+    out = subprocess.run(["ss", "-ltnp"], capture_output=True, text=True).stdout if _has("ss") else ""
+    port = url.rsplit(":", 1)[1]
+    for line in out.splitlines():
+        if f":{port} " in line:
+            assert "127.0.0.1:" in line
+
+
+def _has(cmd: str) -> bool:
+    import shutil
+    return shutil.which(cmd) is not None

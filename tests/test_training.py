@@ -1,0 +1,137 @@
+"""Real DeepSpeed ZeRO training through orch: every stage, offload, kill a rank, resume exactly.
+
+The job is examples/train_gpt.py (a byte-level GPT on the CPython standard library's
+source) on 2 local "nodes", DS_ACCELERATOR=cpu with gloo. The model is shrunk by flags so
+each launch is dominated by start-up (Python, torch and DeepSpeed imports), not training.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, assert_no_leftovers, wait_for
+from orchestrator.checkpoints import inspect_tag
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import helpers_train  # noqa: E402
+
+pytestmark = pytest.mark.integration
+
+EXAMPLES = ROOT / "examples"
+TINY = ["--n-layer", "1", "--d-model", "32", "--n-head", "2", "--seq-len", "32", "--corpus-bytes", "200000",
+        "--log-interval", "0"]
+TRAIN = re.compile(r"^\[train\] step=(\d+) rank=(\d+) loss=(\S+)")
+REL_TOL = 1e-4
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ds_ops() -> None:
+    """Build (first time: minutes) or load DeepSpeed's CPU ops once, not in every rank at once."""
+    helpers_train.prebuild_ops()
+
+
+def _spec(write_spec, hostfile, stage, *, slots: int, args: list[str], name: str = "zero") -> Path:
+    config = json.loads((EXAMPLES / f"ds_zero{stage}.json").read_text())
+    config["train_micro_batch_size_per_gpu"] = 4
+    return write_spec(
+        name=name, hostfile=str(hostfile("".join(f"node-{i} slots={slots}\n" for i in range(2)))),
+        launcher="pdsh", workdir=str(EXAMPLES), entrypoint="train_gpt.py", args=TINY + args,
+        deepspeed_config=config, stop_grace_seconds=5,
+        env={"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"})
+
+
+def _losses(run_dir: Path) -> dict[tuple[int, int], float]:
+    """``{(rank, step): loss}`` from every rank's log of one attempt."""
+    out = {}
+    for log in (run_dir / "logs").glob("rank-*.log"):
+        for line in log.read_text(errors="replace").splitlines():
+            m = TRAIN.match(line)
+            if m:
+                out[(int(m.group(2)), int(m.group(1)))] = float(m.group(3))
+    return out
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3, "2_offload"])
+def test_zero_stage_trains_across_two_nodes(orch, write_spec, hostfile, stage) -> None:
+    slots = 2 if stage == 2 else 1
+    spec = _spec(write_spec, hostfile, stage, slots=slots, args=["--steps", "6", "--checkpoint-interval", "3"])
+    r = orch("run", str(spec))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    (job,) = orch.json("list")
+    detail = orch.json("status", job["id"])
+    world = 2 * slots
+    assert [x["step"] for x in detail["ranks"]] == [6] * world
+    losses = _losses(Path(detail["run_dir"]))
+    assert sorted(losses) == [(rank, step) for rank in range(world) for step in range(1, 7)]
+    assert all(math.isfinite(v) and 0 < v < 10 for v in losses.values())
+    want_stage = 2 if stage == "2_offload" else stage
+    for tag in ("step_3", "step_6"):
+        info = inspect_tag(Path(detail["checkpoint_dir"]) / tag)
+        assert info.complete, info.problems
+        assert (info.zero_stage, info.world_size, info.step) == (want_stage, world, int(tag[5:]))
+    for rank in range(world):
+        log = (Path(detail["run_dir"]) / "logs" / f"rank-{rank}.log").read_text()
+        setup = next(line for line in log.splitlines() if line.startswith("[setup]"))
+        assert f" zero_stage={want_stage} " in setup and f" world_size={world} " in setup
+        assert f" node_rank={rank // slots} " in setup
+        assert ("/DeepSpeedCPUAdam " in setup) == (stage == "2_offload"), setup
+    assert_no_leftovers(job["id"], timeout=1)
+
+
+@pytest.mark.parametrize("stage,slots", [(1, 1), (2, 2), (3, 1)])
+def test_kill_a_rank_then_resume_matches_an_uninterrupted_run(orch, write_spec, hostfile, stage, slots) -> None:
+    steps, interval = 60, 10
+    args = ["--steps", str(steps), "--checkpoint-interval", str(interval)]
+    world = 2 * slots
+
+    ref = _spec(write_spec, hostfile, stage, slots=slots, args=args, name="reference")
+    assert orch("run", str(ref)).returncode == 0
+    (ref_job,) = orch.json("list")
+    expected = _losses(Path(orch.json("status", ref_job["id"])["run_dir"]))
+    assert len(expected) == world * steps
+
+    spec = _spec(write_spec, hostfile, stage, slots=slots, args=args, name="victim")
+    proc = orch.popen("run", str(spec))
+    try:
+        job_id = wait_for(lambda: [j["id"] for j in orch.json("list") if j["name"] == "victim"], 60, "the job")[0]
+        detail = wait_for(lambda: (lambda d: d if d["state"] == "RUNNING" else None)(orch.json("status", job_id)),
+                          120, "RUNNING")
+        ckpt, run_dir = Path(detail["checkpoint_dir"]), Path(detail["run_dir"])
+        # kill once a checkpoint is complete and training has moved past it
+        wait_for(lambda: inspect_tag(ckpt / f"step_{interval}").complete and
+                 max((s for (r, s) in _losses(run_dir)), default=0) > interval + 2, 180, "progress past step 10")
+        victim = world - 1
+        pid = next(x["pid"] for x in orch.json("status", job_id)["ranks"] if x["global_rank"] == victim)
+        os.kill(pid, signal.SIGKILL)
+        assert proc.wait(60) == 1
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    failed = orch.json("status", job_id)
+    cause = failed["cause"]
+    assert failed["state"] == "FAILED" and cause["kind"] == "rank_exit"
+    assert cause["global_rank"] == victim and cause["node"] == "node-1" and "signal SIGKILL" in cause["message"]
+    assert_no_leftovers(job_id, timeout=1)
+    reached = max(s for (r, s) in _losses(run_dir))
+    assert reached < steps, "the kill came too late to test a resume"
+
+    r = orch("resume", job_id)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    done = orch.json("status", job_id)
+    assert done["state"] == "SUCCEEDED" and [a["state"] for a in done["attempts"]] == ["FAILED", "SUCCEEDED"]
+    tag = done["attempts"][1]["resume_tag"]
+    start = int(tag.removeprefix("step_"))
+    assert start >= interval and start % interval == 0 and start <= reached
+    resumed = _losses(Path(done["run_dir"]))
+    assert sorted(resumed) == [(rank, s) for rank in range(world) for s in range(start + 1, steps + 1)]
+    worst = max(abs(resumed[k] - expected[k]) / abs(expected[k]) for k in resumed)
+    assert worst < REL_TOL, f"largest relative difference {worst:.3g} after resuming from {tag}"
+    assert_no_leftovers(job_id, timeout=1)
