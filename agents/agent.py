@@ -15,7 +15,8 @@ Lifecycle, written once here for every provisioner:
 5. stop the ranks (SIGTERM, the grace period, SIGKILL) when told to, when the
    controller goes away (end of stream, or no message for ``lease_s`` seconds), or
    on SIGTERM/SIGINT; then exit. No rank outlives its agent: ranks also carry
-   ``PR_SET_PDEATHSIG``.
+   ``PR_SET_PDEATHSIG``, and the agent is a child subreaper, so a rank's orphaned
+   children are re-parented to it, killed and reaped when the node ends (no zombies).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import time
 from typing import Any
 
 from .link import MessageReader, MessageWriter
-from .ranks import RankProcess, describe_returncode, kill_marked, stop_all
+from .ranks import RankProcess, become_subreaper, describe_returncode, kill_descendants, kill_marked, stop_all
 
 __all__ = ["Agent", "main"]
 
@@ -173,6 +174,8 @@ class Agent:
     def _cleanup(self) -> None:
         for proc in self.ranks:  # children a finished rank left in its group
             proc.signal_group(signal.SIGKILL)
+        if all(p.poll() is not None for p in self.ranks):
+            kill_descendants()  # orphans re-parented to this subreaper, then reap everything
         kill_marked(self.attempt_id, node_rank=self.node["node_rank"])
         self._store = None
 
@@ -197,6 +200,7 @@ def main() -> int:
     if first.get("type") != "start":
         print(f"agent: expected a start message, got {first.get('type')!r}; exiting", file=sys.stderr)
         return 2
+    become_subreaper()
     base_env = {k: v for k, v in os.environ.items() if not k.startswith("ORCH_AGENT_")}
     agent = Agent(first, writer, inbox, base_env)
     signal.signal(signal.SIGTERM, agent.on_signal)

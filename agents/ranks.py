@@ -20,12 +20,12 @@ import signal
 import subprocess
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
 import psutil
 
-__all__ = ["RankExit", "RankProcess", "compose_env", "describe_returncode", "kill_marked", "stop_all", "MARKER_ENV"]
+__all__ = ["RankProcess", "compose_env", "describe_returncode", "kill_marked", "stop_all", "become_subreaper",
+           "kill_descendants", "MARKER_ENV", "NODE_RANK_ENV"]
 
 #: Environment variable whose value tags every process of one attempt, so stragglers
 #: that left the rank's process group can still be found (see :func:`kill_marked`).
@@ -34,14 +34,57 @@ MARKER_ENV = "ORCH_ATTEMPT_ID"
 NODE_RANK_ENV = "ORCH_NODE_RANK"
 
 _PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+def _prctl(option: int, value: int) -> bool:
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        return libc.prctl(option, value, 0, 0, 0) == 0
+    except OSError:
+        return False
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except OSError:
-        pass
+    _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def become_subreaper() -> bool:
+    """Make this process the reaper of its orphaned descendants (Linux ``PR_SET_CHILD_SUBREAPER``).
+
+    A rank's child whose parent dies is then re-parented to the agent instead of init, so
+    the agent can still find it (:func:`kill_descendants`) and reap it: no zombie and no
+    orphan outlives the agent. Returns False where the kernel refuses.
+    """
+    return _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+
+
+def kill_descendants() -> list[int]:
+    """SIGKILL every descendant of this process and reap them all; returns the pids killed.
+
+    Call only once every rank's :class:`RankProcess` has been reaped (``wait``/``poll``
+    returned): reaping with ``waitpid(-1)`` would otherwise steal a rank's exit status
+    from ``subprocess``.
+    """
+    me = psutil.Process()
+    killed = []
+    for child in me.children(recursive=True):
+        try:
+            child.kill()
+            killed.append(child.pid)
+        except psutil.NoSuchProcess:
+            pass
+    deadline = time.monotonic() + 5.0
+    while time.monotonic() < deadline:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            break
+        if pid == 0:
+            if not me.children():
+                break
+            time.sleep(0.02)
+    return killed
 
 
 def compose_env(base: Mapping[str, str], overlay: Mapping[str, str]) -> dict[str, str]:
@@ -63,30 +106,6 @@ def describe_returncode(returncode: int) -> str:
         except ValueError:
             return f"signal {-returncode}"
     return f"exit code {returncode}"
-
-
-@dataclass(frozen=True)
-class RankExit:
-    """A rank that ended: which one and how. A rank's death is data, not an exception.
-
-    Attributes:
-        global_rank: the rank's global rank.
-        returncode: Popen's return code (negative: killed by that signal).
-        at: wall-clock time (``time.time()``) the exit was observed.
-    """
-
-    global_rank: int
-    returncode: int
-    at: float = field(default_factory=time.time)
-
-    @property
-    def ok(self) -> bool:
-        """True when the rank exited with status 0."""
-        return self.returncode == 0
-
-    def describe(self) -> str:
-        """E.g. ``"exit code 1"`` or ``"signal SIGKILL"``."""
-        return describe_returncode(self.returncode)
 
 
 class RankProcess:

@@ -39,7 +39,7 @@ from .errors import OrchError, ProvisionError, StateError
 from .hostfile import load_hostfile, resolve_pool
 from .launchers.deepspeed import ACCELERATOR_EXPORT_PREFIXES, deepspeed_env_files
 from .plan import JobPlan, PlanInputs, make_plan
-from .ports import PortLease, reserve_port
+from .ports import PortLease, default_lock_dir, reserve_port
 from .provisioners import AgentHandle, Provisioner, get_provisioner
 from .spec import JobSpec, load_deepspeed_config, spec_from_dict
 from .state import JobState
@@ -91,7 +91,7 @@ def prepare_plan(spec: JobSpec, state_dir: str | Path, job_id: str, *, attempt: 
 
     Args:
         spec: the validated spec.
-        state_dir: orch's state directory (run directories, port locks).
+        state_dir: orch's state directory (run directories).
         job_id: the job's id.
         attempt: 1-based attempt number.
         resume_tag: the checkpoint tag to resume from, or None.
@@ -112,7 +112,7 @@ def prepare_plan(spec: JobSpec, state_dir: str | Path, job_id: str, *, attempt: 
         source = "<no hostfile: localhost>"
     pool = resolve_pool(hosts, spec.include, spec.exclude, spec.num_nodes, spec.num_gpus, source=source)
     master_addr = spec.master_addr or "127.0.0.1"
-    lease = reserve_port(state_dir, spec.master_port, master_addr,
+    lease = reserve_port(default_lock_dir(), spec.master_port, master_addr,
                          check_bind=spec.provisioner == "local", hold=hold_port)
     try:
         job_dir = state_dir / "jobs" / job_id
@@ -511,9 +511,14 @@ class Controller:
             run.cancel_event.set()
         elif _owner_alive(job.owner):
             self.store.request_cancel(job.id)
-        else:  # nobody runs it: nothing to stop
+        else:  # its controller is gone (and with it the agents): sweep, then record
+            from agents.ranks import kill_marked
+            if job.attempt:
+                kill_marked(f"{job.id}.{job.attempt}")
             self.store.set_state(job.id, JobState.CANCELLED,
                                  cause={"kind": "cancelled", "message": "cancelled by the user"})
+            if job.attempt:
+                self.store.mark_stopped(job.id, job.attempt)
         return self.store.get_job(job.id)
 
     def wait(self, job_id: str, timeout: float | None = None) -> JobRecord:

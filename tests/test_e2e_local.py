@@ -13,6 +13,7 @@ import socket
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from conftest import SCRIPTS, assert_no_leftovers, job_processes, wait_for
@@ -91,13 +92,18 @@ def test_rank_that_ignores_sigterm_is_killed_after_the_grace_period(orch, write_
     assert elapsed >= 2  # the grace period was given before SIGKILL
 
 
-def test_processes_that_left_the_group_are_swept(orch, write_spec, hostfile) -> None:
+def test_processes_that_left_the_group_are_swept_and_reaped(orch, write_spec, hostfile, tmp_path) -> None:
+    ready = tmp_path / "ready"
     spec = write_spec(**spec_fields(hostfile("node-0 slots=1\nnode-1 slots=1\n"), WORKER_STEPS="3",
-                                    WORKER_ESCAPEE="1"))
+                                    WORKER_ESCAPEE="1", WORKER_READY_DIR=str(ready)))
     r = orch("run", str(spec))
     assert r.returncode == 0, r.stderr
     (job,) = orch.json("list")
     assert_no_leftovers(job["id"], timeout=1)
+    escapees = [int(p.read_text()) for p in ready.glob("escapee*.pid")]
+    assert len(escapees) == 2
+    for pid in escapees + [x["pid"] for x in orch.json("status", job["id"])["ranks"]]:
+        assert not psutil.pid_exists(pid), f"{pid} is still there (a zombie: {psutil.Process(pid).status()})"
 
 
 def test_cancel_from_another_process(orch, write_spec, hostfile, tmp_path) -> None:

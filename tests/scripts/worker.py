@@ -9,7 +9,8 @@ Configured by environment (so launchers' argv handling is untouched):
   ``kill`` (SIGKILL itself).
 * ``WORKER_IGNORE_TERM=1``: ignore SIGTERM (so only SIGKILL stops it).
 * ``WORKER_ESCAPEE=1``: start a child in a new session that sleeps for an hour (a process
-  that leaves the rank's process group, as a careless data loader might).
+  that leaves the rank's process group, as a careless data loader might); its pid goes to
+  ``<WORKER_READY_DIR>/escapee<r>.pid``.
 * ``WORKER_READY_DIR``: touch ``<dir>/rank<r>.ready`` once running.
 """
 
@@ -28,11 +29,15 @@ mode = os.environ.get("WORKER_FAIL_MODE", "exit:3")
 
 if os.environ.get("WORKER_IGNORE_TERM") == "1":
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-if os.environ.get("WORKER_ESCAPEE") == "1":
-    subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"], start_new_session=True)
 ready = os.environ.get("WORKER_READY_DIR")
 if ready:
     os.makedirs(ready, exist_ok=True)
+if os.environ.get("WORKER_ESCAPEE") == "1":
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"], start_new_session=True)
+    if ready:
+        with open(os.path.join(ready, f"escapee{rank}.pid"), "w") as f:
+            f.write(str(child.pid))
+if ready:
     open(os.path.join(ready, f"rank{rank}.ready"), "w").close()
 
 print(f"worker rank {rank} argv={sys.argv[1:]}", flush=True)
