@@ -60,6 +60,7 @@ class Agent:
         self.ranks: list[RankProcess] = []
         self.exited: dict[int, int] = {}
         self._store = None
+        self._exporter = None
         self._signalled: int | None = None
 
     # -- steps ------------------------------------------------------------------------------
@@ -68,11 +69,30 @@ class Agent:
         """Run the node to its end; return the agent's exit status (0: every rank exited 0)."""
         self.writer.send({"type": "hello", "host": socket.gethostname(), "pid": os.getpid(),
                           "python": sys.executable, "node_rank": self.node["node_rank"]})
+        self._start_exporter()
         if not self._host_store():
             return 1
         if not self._start_ranks():
             return 1
         return self._supervise()
+
+    def _start_exporter(self) -> None:
+        port = self.node.get("metrics_port")
+        if not port:
+            return
+        from .exporter import NodeCollector, serve
+        job, _, attempt = self.attempt_id.rpartition(".")
+        collector = NodeCollector(job, int(attempt), self.node["host"], self._rank_codes)
+        try:
+            self._exporter = serve(int(port), collector)
+        except OSError as err:  # metrics must not stop training: say so and go on
+            self.writer.send({"type": "warning", "message": f"metrics port {port} on {self.node['host']} "
+                              f"cannot be used ({err.strerror or err}); this node exports no metrics"})
+
+    def _rank_codes(self) -> dict[int, int | None]:
+        started = {p.global_rank: None for p in self.ranks}
+        started.update(self.exited)
+        return started
 
     def _host_store(self) -> bool:
         store = self.node.get("agent_store")
@@ -178,6 +198,8 @@ class Agent:
             kill_descendants()  # orphans re-parented to this subreaper, then reap everything
         kill_marked(self.attempt_id, node_rank=self.node["node_rank"])
         self._store = None
+        if self._exporter is not None:
+            self._exporter.shutdown()
 
     def on_signal(self, signum: int, _frame: Any) -> None:
         """SIGTERM/SIGINT: stop the ranks at the next turn of the loop."""

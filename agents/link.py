@@ -18,6 +18,7 @@ Agent -> controller:
     ``stopped`` {reason, exits: {rank: returncode}}: ranks stopped; the agent exits.
     ``done`` {}: every rank of the node ended by itself; the agent exits.
     ``error`` {message}: the agent cannot go on; it stops its ranks and exits.
+    ``warning`` {message}: something the user should know; the agent goes on.
 
 A reader that reaches end-of-stream yields ``{"type": "eof"}`` once.
 """

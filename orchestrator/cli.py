@@ -240,11 +240,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
             f"world size {plan.world_size}, master {plan.master_addr}:{plan.master_port}",
             markup=False, highlight=False)
     nodes = Table(title="Nodes", box=None, title_justify="left", pad_edge=False)
-    for col in ("node rank", "host", "slots", "global ranks"):
+    for col in ("node rank", "host", "slots", "global ranks", "metrics"):
         nodes.add_column(col)
     for n in plan.nodes:
         nodes.add_row(str(n.node_rank), n.host, ",".join(map(str, n.slots)),
-                      ",".join(str(r.global_rank) for r in n.ranks))
+                      ",".join(str(r.global_rank) for r in n.ranks),
+                      f":{n.metrics_port}/metrics" if n.metrics_port else "-")
     c.print(nodes)
     pairs = plan.ranks()
     envs = [dict(r.env) for _, r in pairs]

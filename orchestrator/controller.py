@@ -297,6 +297,10 @@ class AttemptRun:
     def _on_heartbeat(self, node_rank: int, msg: dict) -> None:
         pass
 
+    def _on_warning(self, node_rank: int, msg: dict) -> None:
+        self.c.store.add_event(self.job_id, self.plan.attempt, "warning",
+                               {"node_rank": node_rank, "host": self._host(node_rank), "message": msg.get("message")})
+
     def _on_unknown(self, node_rank: int, msg: dict) -> None:
         self.c.store.add_event(self.job_id, self.plan.attempt, "agent_message",
                                {"node_rank": node_rank, "message": msg})

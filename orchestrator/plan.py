@@ -113,6 +113,7 @@ class NodePlan:
         agent_store: ``{"addr", "port"}`` of a c10d store the agent hosts, or None.
         env_defaults: variables set on its ranks only where the node's environment lacks
             them (``launcher.env_defaults``), applied by the agent before ``env``.
+        metrics_port: port of the agent's Prometheus exporter on its host, or None.
     """
 
     node_rank: int
@@ -123,13 +124,14 @@ class NodePlan:
     log_dir: str
     agent_store: Mapping[str, Any] | None = None
     env_defaults: Mapping[str, str] = field(default_factory=dict)
+    metrics_port: int | None = None
 
     def to_dict(self) -> dict:
         """JSON-able form (what the agent receives in its ``start`` message)."""
         return {"node_rank": self.node_rank, "host": self.host, "slots": list(self.slots),
                 "ranks": [r.to_dict() for r in self.ranks], "workdir": self.workdir,
                 "log_dir": self.log_dir, "agent_store": dict(self.agent_store) if self.agent_store else None,
-                "env_defaults": dict(self.env_defaults)}
+                "env_defaults": dict(self.env_defaults), "metrics_port": self.metrics_port}
 
 
 @dataclass(frozen=True)
@@ -229,6 +231,22 @@ def _launcher_exports(spec: JobSpec, inputs: PlanInputs, nodes: int) -> dict[str
     return {k: v for k, v in exports.items() if k not in spec.env}
 
 
+def _metrics_port(spec: JobSpec, pool: ResourcePool, node_rank: int) -> int | None:
+    """The node's exporter port: ``metrics_port`` plus the number of earlier nodes on the same
+    machine (local agents all share this machine; other provisioners' hosts are their own)."""
+    if spec.metrics_port is None:
+        return None
+    if spec.provisioner == "local":
+        port = spec.metrics_port + node_rank
+    else:
+        host = pool.nodes[node_rank][0]
+        port = spec.metrics_port + sum(1 for h, _ in pool.nodes[:node_rank] if h == host)
+    if port > 65535:
+        raise PlanError(f"metrics_port {spec.metrics_port} leaves no port for node {node_rank} (it would need "
+                        f"{port}); choose a metrics_port of at most {65535 - node_rank}.")
+    return port
+
+
 def make_plan(spec: JobSpec, pool: ResourcePool, inputs: PlanInputs) -> JobPlan:
     """Plan one attempt of ``spec`` on ``pool``.
 
@@ -273,7 +291,8 @@ def make_plan(spec: JobSpec, pool: ResourcePool, inputs: PlanInputs) -> JobPlan:
         store = launcher.agent_store(ctx, node_rank)
         defaults = {k: v for k, v in launcher.env_defaults(ctx, node_rank).items() if k not in spec.env}
         nodes.append(NodePlan(node_rank, host, tuple(slots), ranks, spec.workdir, log_dir,
-                              {"addr": store[0], "port": store[1]} if store else None, defaults))
+                              {"addr": store[0], "port": store[1]} if store else None, defaults,
+                              _metrics_port(spec, pool, node_rank)))
     shown = replace(ctx, exports={**exports, **spec.env})  # what the real tool would export
     return JobPlan(
         job_id=inputs.job_id, job_name=spec.name, attempt=inputs.attempt, launcher=launcher.name,

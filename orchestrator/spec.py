@@ -80,7 +80,7 @@ class JobSpec(BaseModel):
     deepspeed_config: str | dict[str, Any] | None = None
     deepspeed_args: bool = False
     checkpoint_dir: str | None = None
-    metrics_port: int | None = Field(None, ge=0, le=65535)
+    metrics_port: int | None = Field(None, ge=1, le=65535)
     stop_grace_seconds: float = Field(10.0, gt=0, le=3600)
 
     @field_validator("name")

@@ -7,6 +7,7 @@ so they stay fast); DeepSpeed training end to end is in test_training.py.
 from __future__ import annotations
 
 import json
+import re
 import os
 import signal
 import socket
@@ -262,4 +263,35 @@ def test_agents_stop_their_ranks_when_the_controller_falls_silent(orch, write_sp
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGCONT)
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_every_node_agent_exports_metrics(orch, write_spec, hostfile, tmp_path) -> None:
+    import httpx
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        base = s.getsockname()[1]
+    ready = tmp_path / "ready"
+    spec = write_spec(**spec_fields(hostfile(TWO_BY_TWO), WORKER_STEPS="6000", WORKER_READY_DIR=str(ready)),
+                      metrics_port=base)
+    plan = orch.json("plan", str(spec))
+    assert [n["metrics_port"] for n in plan["nodes"]] == [base, base + 1]
+    proc = orch.popen("run", str(spec))
+    try:
+        wait_for(lambda: len(list(ready.glob("*.ready"))) == 4, 60, "4 ranks running")
+        (job,) = orch.json("list")
+        for node_rank, host in enumerate(["node-0", "node-1"]):
+            text = httpx.get(f"http://127.0.0.1:{base + node_rank}/metrics", timeout=5).text
+            labels = f'attempt="1",job="{job["id"]}",node="{host}"'
+            assert f"orch_agent_up{{{labels}}} 1.0" in text
+            for rank in (2 * node_rank, 2 * node_rank + 1):
+                assert f'orch_rank_up{{{labels},rank="{rank}"}} 1.0' in text
+            used = float(re.search(rf"orch_node_memory_used_bytes{{{labels}}} (\S+)", text).group(1))
+            total = float(re.search(rf"orch_node_memory_total_bytes{{{labels}}} (\S+)", text).group(1))
+            assert 0 < used < total
+            assert "pid" not in text.replace("# HELP", "")
+        orch("cancel", job["id"], "--wait", "30")
+        assert proc.wait(30) == 1
+    finally:
+        if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

@@ -94,3 +94,14 @@ def test_plan_round_trips_through_json(tmp_path) -> None:
     d = json.loads(json.dumps(plan.to_dict()))
     assert d["nodes"][1]["ranks"][1]["env"]["RANK"] == "3" and d["world_size"] == 4
     assert d["nodes"][0]["env_defaults"] == {"PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
+
+
+def test_metrics_ports_per_node(tmp_path) -> None:
+    local = make_plan(_spec(tmp_path, metrics_port=9100), _pool(("n0", 1), ("n1", 1), ("n2", 1)), _inputs())
+    assert [n.metrics_port for n in local.nodes] == [9100, 9101, 9102]  # one machine: one port each
+    remote = make_plan(_spec(tmp_path, metrics_port=9100, provisioner="ssh"), _pool(("n0", 1), ("n1", 1)),
+                       _inputs())
+    assert [n.metrics_port for n in remote.nodes] == [9100, 9100]  # their own hosts
+    assert make_plan(_spec(tmp_path), _pool(("n0", 1)), _inputs()).nodes[0].metrics_port is None
+    with pytest.raises(PlanError, match="at most 65534"):
+        make_plan(_spec(tmp_path, metrics_port=65535), _pool(("n0", 1), ("n1", 1)), _inputs())
