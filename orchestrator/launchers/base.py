@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping, Protocol
 
-__all__ = ["LaunchContext", "RankLaunch", "RealCommand", "Launcher"]
+__all__ = ["LaunchContext", "RankLaunch", "RealCommand", "Launcher", "check_context"]
 
 
 @dataclass(frozen=True)
@@ -146,3 +146,28 @@ class Launcher(Protocol):
         hosts nothing (rank 0 creates the store).
         """
         ...
+
+
+def check_context(launcher: str, ctx: LaunchContext, tool: str) -> None:
+    """Checks every launcher makes of a context before placing ranks.
+
+    Args:
+        launcher: the launcher's name, for messages.
+        ctx: the context.
+        tool: the real tool whose rule forbids ``no_python`` with ``module`` (for messages).
+
+    Raises:
+        LaunchError: an empty pool, a host listed twice or without slots, or
+            ``no_python`` together with ``module``.
+    """
+    from ..errors import LaunchError
+    if not ctx.world:
+        raise LaunchError(f"{launcher}: the resource pool is empty")
+    hosts = ctx.hosts
+    if len(set(hosts)) != len(hosts):
+        raise LaunchError(f"{launcher}: a host appears twice in the pool {list(hosts)}")
+    for host, slots in ctx.world:
+        if not slots:
+            raise LaunchError(f"{launcher}: host {host!r} has no slots")
+    if ctx.no_python and ctx.module:
+        raise LaunchError(f"{launcher}: no_python and module cannot both be set ({tool})")

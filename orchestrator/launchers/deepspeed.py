@@ -87,7 +87,7 @@ from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
 from ..errors import LaunchError
-from .base import LaunchContext, RankLaunch, RealCommand
+from .base import LaunchContext, RankLaunch, RealCommand, check_context
 
 __all__ = [
     "DeepSpeedLauncher",
@@ -362,17 +362,7 @@ class DeepSpeedLauncher:
     # ---------------------------------------------------------------- checks
 
     def _check(self, ctx: LaunchContext) -> None:
-        if not ctx.world:
-            raise LaunchError(f"{self.name}: the resource pool is empty")
-        hosts = ctx.hosts
-        if len(set(hosts)) != len(hosts):
-            raise LaunchError(f"{self.name}: a host appears twice in the pool {list(hosts)}")
-        for host, slots in ctx.world:
-            if not slots:
-                raise LaunchError(f"{self.name}: host {host!r} has no slots")
-        if ctx.no_python and ctx.module:
-            raise LaunchError(f"{self.name}: no_python and module cannot both be set "
-                              "(deepspeed.launcher.launch refuses '--no_python' with '--module')")
+        check_context(self.name, ctx, "deepspeed.launcher.launch refuses '--no_python' with '--module'")
 
     def uses_pdsh(self, ctx: LaunchContext) -> bool:
         """True when DeepSpeed really goes through pdsh: the pdsh launcher and more than one node.

@@ -80,7 +80,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import LaunchError
-from .base import LaunchContext, RankLaunch, RealCommand
+from .base import LaunchContext, RankLaunch, RealCommand, check_context
 
 __all__ = ["TorchrunLauncher", "STANDARD", "SIGNALS_TO_HANDLE", "ROLE_NAME"]
 
@@ -104,14 +104,7 @@ class TorchrunLauncher:
     visible_devices_env: str | None = "CUDA_VISIBLE_DEVICES"
 
     def _check(self, ctx: LaunchContext, node_rank: int | None = None) -> None:
-        if not ctx.world:
-            raise LaunchError(f"{self.name}: the resource pool is empty")
-        for host, slots in ctx.world:
-            if not slots:
-                raise LaunchError(f"{self.name}: host {host!r} has no slots")
-        if ctx.no_python and ctx.module:
-            raise LaunchError(f"{self.name}: no_python and module cannot both be set "
-                              "(torchrun refuses '--no-python' with '--module')")
+        check_context(self.name, ctx, "torchrun refuses '--no-python' with '--module'")
         if node_rank is not None and not 0 <= node_rank < len(ctx.world):
             raise LaunchError(f"{self.name}: node rank {node_rank} is not in 0..{len(ctx.world) - 1}")
 
