@@ -51,18 +51,39 @@ class UsageError(OrchError):
 
 
 class StoreBackend:
-    """Reads the store directly; commands that change state use an embedded controller."""
+    """Reads the store directly; commands that change state use an embedded controller.
+
+    Reading creates nothing: a state directory without a store simply has no jobs. Jobs
+    whose controller died (an ``orch run`` that was killed) are marked FAILED first, so
+    what is shown is not stale (:func:`orchestrator.controller.recover_orphans`).
+    """
 
     def __init__(self, state_dir: Path) -> None:
-        from .store import Store
         self.state_dir = state_dir
-        self.store = Store(state_dir / "orch.db")
+        self._store = None
+
+    @property
+    def store(self) -> Any:
+        from .controller import recover_orphans
+        from .errors import NotFoundError
+        from .store import Store
+        if self._store is None:
+            if not (self.state_dir / "orch.db").is_file():
+                raise NotFoundError(f"No jobs in state dir {self.state_dir} (nothing has run with it yet).")
+            self._store = Store(self.state_dir / "orch.db")
+            recover_orphans(self._store)
+        return self._store
 
     def list(self) -> list[dict]:
+        from .errors import NotFoundError
         from .views import job_summary
+        try:
+            store = self.store
+        except NotFoundError:
+            return []
         out = []
-        for job in self.store.list_jobs(1000):
-            attempt = self.store.get_attempt(job.id, job.attempt) if job.attempt else None
+        for job in store.list_jobs(1000):
+            attempt = store.get_attempt(job.id, job.attempt) if job.attempt else None
             out.append(job_summary(job, attempt))
         return out
 
@@ -76,6 +97,7 @@ class StoreBackend:
 
     def cancel(self, job_id: str) -> dict:
         from .controller import Controller
+        self.store  # noqa: B018 - fails clearly when there is no store
         c = Controller(self.state_dir)
         try:
             c.cancel(job_id)
@@ -155,7 +177,11 @@ def _backend(args: argparse.Namespace) -> StoreBackend | HttpBackend:
 
 def _state_dir(args: argparse.Namespace) -> Path:
     from .controller import default_state_dir
-    return Path(args.state_dir).expanduser().resolve() if args.state_dir else default_state_dir().resolve()
+    path = Path(args.state_dir).expanduser().resolve() if args.state_dir else default_state_dir().resolve()
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"State dir {path} is not a directory; give --state-dir (or $ORCH_STATE_DIR) a "
+                         "directory.")
+    return path
 
 
 # -- rendering ------------------------------------------------------------------------------------
@@ -182,13 +208,13 @@ def _fmt_loss(v: Any) -> str:
 
 def _ranks_table(detail: dict) -> Table:
     t = Table(box=None, pad_edge=False)
-    for col in ("rank", "node", "local", "pid", "state", "step", "loss", "last output"):
-        t.add_column(col, overflow="ellipsis", no_wrap=col == "last output",
+    for col in ("rank", "node", "local", "pid", "state", "exit", "step", "loss", "last output"):
+        t.add_column(col, overflow="ellipsis", no_wrap=col in ("last output", "state", "exit"),
                      max_width=60 if col == "last output" else None)
     for r in detail.get("ranks", []):
-        state = r["state"] if r["returncode"] in (None, 0) else f"{r['state']} ({r.get('how')})"
+        exit_ = (r.get("how") or "").replace("exit code ", "").replace("signal ", "") or "-"
         t.add_row(str(r["global_rank"]), f"{r['host']} ({r['node_rank']})", str(r["local_rank"]),
-                  str(r["pid"] or "-"), _styled(state) if r["returncode"] in (None, 0) else Text(state, "bold red"),
+                  str(r["pid"] or "-"), _styled(r["state"]), exit_,
                   str(r["step"] if r["step"] is not None else "-"), _fmt_loss(r["loss"]),
                   Text((r.get("last_line") or "")[:200]))
     return t
@@ -277,77 +303,97 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _follow_embedded(controller: Any, job_id: str, args: argparse.Namespace) -> int:
-    """Show a job's progress until it ends; Ctrl-C cancels it (twice: leave at once)."""
+def _follow_embedded(controller: Any, job_id: str, args: argparse.Namespace, since_event: int = 0) -> int:
+    """Show a job's progress until its attempt ends; Ctrl-C (or SIGTERM) cancels it, twice leaves at once.
+
+    Args:
+        since_event: only events after this id are reported (a resume shows only its attempt).
+    """
     from .state import JobState
     from .views import job_detail
     interrupted = {"n": 0}
 
-    def on_sigint(_sig: int, _frame: Any) -> None:
+    def on_signal(sig: int, _frame: Any) -> None:
         interrupted["n"] += 1
         if interrupted["n"] == 1:
-            _err.print("Cancelling the job (Ctrl-C again to leave at once)...")
-            controller.cancel(job_id)
+            name = "Ctrl-C" if sig == signal.SIGINT else signal.Signals(sig).name
+            _err.print(f"Cancelling the job ({name}; again to leave at once)...", markup=False, highlight=False)
+            run = controller.active_run(job_id)
+            if run is not None:
+                run.cancel(f"cancelled by the user ({name} to orch)")
         else:
             raise KeyboardInterrupt
 
-    old = signal.signal(signal.SIGINT, on_sigint)
-    signal.signal(signal.SIGTERM, on_sigint)
+    old = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     run = controller.active_run(job_id)
+    live = args.output != "json" and sys.stdout.isatty()
     try:
-        if args.output == "json" or not sys.stdout.isatty():
-            _follow_plain(controller, job_id, run, args)
-        else:
+        if live:
             with Live(_render_detail(job_detail(controller.store, job_id)), console=_console,
-                      refresh_per_second=4, transient=False) as live:
+                      refresh_per_second=4, transient=False) as view:
                 while run is not None and not run.done.wait(0.5):
-                    live.update(_render_detail(job_detail(controller.store, job_id)))
-                live.update(_render_detail(job_detail(controller.store, job_id)))
+                    view.update(_render_detail(job_detail(controller.store, job_id)))
+                view.update(_render_detail(job_detail(controller.store, job_id)))
+        else:
+            _follow_plain(controller, job_id, run, args, since_event)
     finally:
-        signal.signal(signal.SIGINT, old)
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
     detail = job_detail(controller.store, job_id)
     if args.output == "json":
         _print_json(detail)
     else:
-        _final_words(detail)
+        _final_words(detail, header=not live)
     if interrupted["n"]:
         return 130
     return 0 if detail["state"] == JobState.SUCCEEDED.value else 1
 
 
-def _follow_plain(controller: Any, job_id: str, run: Any, args: argparse.Namespace) -> None:
+def _follow_plain(controller: Any, job_id: str, run: Any, args: argparse.Namespace, since_event: int = 0) -> None:
     """Progress as plain lines (no terminal, or --output json: then on stderr).
 
-    Every state change is printed (from the job's events, so none is missed), and at
-    most every 5 seconds the step and loss of every rank that reports them.
+    Every state change and warning is printed (from the job's events, so none is
+    missed); at most every 5 seconds the step and loss of every rank that reports them;
+    and every 15 seconds without a reported step, that the ranks are still starting.
     """
     from .views import job_detail
     out = _err if args.output == "json" else _console
-    seen_event, last_print, last_steps = 0, 0.0, None
+
+    def say(text: str, at: float | None = None) -> None:
+        out.print(f"[{time.strftime('%H:%M:%S', time.localtime(at))}] {text}", markup=False, highlight=False)
+
+    seen_event, last_print, last_steps, running_since = since_event, 0.0, None, None
     while True:
         finished = run is None or run.done.wait(0.5)
         for ev in controller.store.events(job_id, since_id=seen_event):
             seen_event = ev.id
             if ev.kind == "state":
                 cause = (ev.data.get("cause") or {}).get("message")
-                out.print(f"[{time.strftime('%H:%M:%S', time.localtime(ev.at))}] job {job_id} {ev.data['to']}"
-                          f" (attempt {ev.attempt}){': ' + cause if cause else ''}", markup=False, highlight=False)
+                say(f"job {job_id} {ev.data['to']} (attempt {ev.attempt}){': ' + cause if cause else ''}", ev.at)
+                running_since = time.monotonic() if ev.data["to"] == "RUNNING" else None
+                last_print = time.monotonic()
+            elif ev.kind == "warning":
+                say(f"warning: {ev.data.get('message')}", ev.at)
         d = job_detail(controller.store, job_id)
         steps = [(r["global_rank"], r["step"], r["loss"]) for r in d["ranks"]]
-        if steps != last_steps and time.monotonic() - last_print >= 5 and any(s[1] is not None for s in steps):
-            out.print(f"[{time.strftime('%H:%M:%S')}] " + "  ".join(
-                f"rank {g}: step {s} loss {_fmt_loss(lo)}" for g, s, lo in steps if s is not None),
-                markup=False, highlight=False)
+        reporting = any(s[1] is not None for s in steps)
+        if steps != last_steps and time.monotonic() - last_print >= 5 and reporting:
+            say("  ".join(f"rank {g}: step {s} loss {_fmt_loss(lo)}" for g, s, lo in steps if s is not None))
             last_print, last_steps = time.monotonic(), steps
+        elif running_since is not None and not reporting and time.monotonic() - last_print >= 15:
+            say(f"{sum(r['state'] == 'running' for r in d['ranks'])} rank(s) running, no step reported yet "
+                f"({time.monotonic() - running_since:.0f} s; Python, torch and DeepSpeed are starting)")
+            last_print = time.monotonic()
         if finished:
             return
 
 
-def _final_words(detail: dict) -> None:
+def _final_words(detail: dict, header: bool = True) -> None:
     c = _console
-    c.print(_header(detail))
-    for line in _cause_lines(detail):
-        c.print(line, markup=False, highlight=False, style="red" if line.startswith("cause") else None)
+    if header:
+        c.print(_header(detail))
+        for line in _cause_lines(detail):
+            c.print(line, markup=False, highlight=False, style="red" if line.startswith("cause") else None)
     if detail.get("run_dir"):
         c.print(f"logs: {detail['run_dir']}/logs", markup=False, highlight=False)
     if detail["state"] in ("FAILED", "CANCELLED"):
@@ -377,14 +423,17 @@ def cmd_resume(args: argparse.Namespace) -> int:
                                    f"{detail['attempts'][-1].get('resume_tag') or '(none: from the start)'}")
         return 0
     from .controller import Controller
-    controller = Controller(_state_dir(args))
+    state_dir = _state_dir(args)
+    StoreBackend(state_dir).store  # noqa: B018 - a clear error when there are no jobs at all
+    controller = Controller(state_dir)
     try:
+        before = controller.store.events(controller.get(args.job).id)
         job = controller.resume(args.job)
         attempt = controller.store.get_attempt(job.id, job.attempt)
         if args.output != "json":
             _console.print(f"Resuming job {job.id}: attempt {job.attempt} from checkpoint "
                            f"{attempt.resume_tag or '(none found: from the start)'}", markup=False, highlight=False)
-        return _follow_embedded(controller, job.id, args)
+        return _follow_embedded(controller, job.id, args, since_event=before[-1].id if before else 0)
     finally:
         controller.close(cancel=True)
 
@@ -460,7 +509,13 @@ def cmd_logs(args: argparse.Namespace) -> int:
             chunk = backend.logs(detail["id"], r, args.attempt, offsets[r])
             offsets[r] = chunk["offset"]
             all_eof &= chunk["eof"]
-            _write_lines(chunk["data"], f"[rank {r}] " if prefix else "", args.tail)
+            if args.output == "json":  # one JSON object per line, per rank and chunk
+                lines = chunk["data"].splitlines()[-args.tail:] if args.tail else chunk["data"].splitlines()
+                if lines:
+                    sys.stdout.write(json.dumps({"rank": r, "lines": lines}) + "\n")
+                    sys.stdout.flush()
+            else:
+                _write_lines(chunk["data"], f"[rank {r}] " if prefix else "", args.tail)
         if not args.follow or all_eof:
             return 0
         time.sleep(0.5)
@@ -514,29 +569,40 @@ def _quiet_server_class() -> type:
 
 
 def cmd_server(args: argparse.Namespace) -> int:
+    import socket
+
+    import psutil
     import uvicorn
-    _QuietServer = _quiet_server_class()  # noqa: N806
 
     from .api import create_app
     from .controller import Controller
     state_dir = _state_dir(args)
+    running = _find_server(argparse.Namespace(server=None, state_dir=str(state_dir)))
+    if running:
+        raise UsageError(f"An orch server already runs for state dir {state_dir} at {running}; stop it first "
+                         "(or use another --state-dir).")
+    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((args.host, args.port))
+    except OSError as err:
+        sock.close()
+        raise UsageError(f"Cannot listen on {args.host}:{args.port}: {err.strerror or err}; choose another "
+                         "--port or --host.") from err
     url = f"http://{args.host}:{args.port}"
-    controller = Controller(state_dir, owner_url=url)
-    recovered = controller.recover()
-    for job_id in recovered:
+    controller = Controller(state_dir, owner_url=url, recover_every_s=5.0)
+    for job_id in controller.recover():
         _err.print(f"job {job_id}: its controller had gone away; marked FAILED (resume it with orch resume)",
                    markup=False, highlight=False)
-    import psutil
     _server_file(state_dir).write_text(json.dumps({"url": url, "pid": os.getpid(),
                                                    "create_time": psutil.Process().create_time()}))
     _err.print(f"orch server {__version__} on {url} (state dir {state_dir})", markup=False, highlight=False)
-    server = _QuietServer(uvicorn.Config(create_app(controller), host=args.host, port=args.port,
-                                         log_level="warning"))
+    server = _quiet_server_class()(uvicorn.Config(create_app(controller), log_level="warning"))
     try:
-        server.run()
+        server.run(sockets=[sock])
     finally:
         _err.print("orch server stopping: cancelling the jobs it runs...")
-        controller.close(cancel=True)
+        controller.close(cancel=True, reason="cancelled: orch server was stopped")
         try:
             if json.loads(_server_file(state_dir).read_text()).get("pid") == os.getpid():
                 _server_file(state_dir).unlink()
@@ -548,19 +614,52 @@ def cmd_server(args: argparse.Namespace) -> int:
 # -- argument parsing -----------------------------------------------------------------------------
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, got {text}")
+    return value
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a TCP port 1..65535, got {text}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds >= 0, got {text}")
+    return value
+
+
+def _common_options(parser: argparse.ArgumentParser, top: bool) -> None:
+    """The options every command takes, before or after the command's name.
+
+    On the commands they default to SUPPRESS, so a value given before the command name
+    (``orch -o json list``) is not overwritten by the command's default.
+    """
+    def default(value: Any) -> Any:
+        return value if top else argparse.SUPPRESS
+    parser.add_argument("--state-dir", default=default(None),
+                        help="where jobs, logs and checkpoints are kept (default: $ORCH_STATE_DIR or ~/.orch)")
+    parser.add_argument("--output", "-o", choices=("table", "json"), default=default("table"),
+                        help="output format: human tables (default) or JSON for scripts")
+    parser.add_argument("--server", default=default(os.environ.get("ORCH_SERVER")),
+                        help="URL of an orch server (default: $ORCH_SERVER, else the one running for the state dir)")
+
+
 def _parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--state-dir", default=None,
-                        help="where jobs, logs and checkpoints are kept (default: $ORCH_STATE_DIR or ~/.orch)")
-    common.add_argument("--output", "-o", choices=("table", "json"), default="table",
-                        help="output format: human tables (default) or JSON for scripts")
-    common.add_argument("--server", default=os.environ.get("ORCH_SERVER"),
-                        help="URL of an orch server (default: $ORCH_SERVER, else the one running for the state dir)")
+    _common_options(common, top=False)
     p = argparse.ArgumentParser(
         prog="orch", description="Run DeepSpeed ZeRO training jobs across nodes from a job spec: plan them, "
         "supervise every rank, stop them cleanly, resume them from the last complete checkpoint.",
         epilog="Start with: orch plan examples/quickstart.yaml, then orch run examples/quickstart.yaml")
     p.add_argument("--version", action="version", version=f"orch {__version__}")
+    _common_options(p, top=True)
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
@@ -577,7 +676,7 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("spec", help="job spec (YAML)")
     sp = add("server", cmd_server, "Run the controller as a service with an HTTP API.")
     sp.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    sp.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port to listen on (default {DEFAULT_PORT})")
+    sp.add_argument("--port", type=_port, default=DEFAULT_PORT, help=f"port to listen on (default {DEFAULT_PORT})")
     sp = add("submit", cmd_submit, "Submit a job to the running orch server and return at once.")
     sp.add_argument("spec", help="job spec (YAML)")
     add("list", cmd_list, "List jobs, newest first.")
@@ -588,10 +687,10 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("--rank", type=int, default=None, help="only this global rank, without prefixes")
     sp.add_argument("--attempt", type=int, default=None, help="attempt number (default: the latest)")
     sp.add_argument("--follow", "-f", action="store_true", help="keep printing new lines until the attempt stops")
-    sp.add_argument("--tail", type=int, default=None, metavar="N", help="only the last N lines of each log")
+    sp.add_argument("--tail", type=_positive_int, default=None, metavar="N", help="only the last N lines of each log")
     sp = add("cancel", cmd_cancel, "Cancel a job: every rank on every node is stopped within the grace period.")
     sp.add_argument("job", help="job id (or a unique prefix)")
-    sp.add_argument("--wait", type=float, default=0, metavar="SECONDS",
+    sp.add_argument("--wait", type=_seconds, default=0, metavar="SECONDS",
                     help="wait up to SECONDS for every process to be gone")
     sp = add("resume", cmd_resume, "Start a new attempt of a FAILED or CANCELLED job from its last complete "
              "checkpoint (in the foreground unless a server runs it).")

@@ -35,17 +35,18 @@ from typing import Any, Callable
 import psutil
 
 from .checkpoints import latest_complete
-from .errors import OrchError, ProvisionError, StateError
-from .hostfile import load_hostfile, resolve_pool
+from .errors import FilterError, HostfileError, OrchError, PlanError, ProvisionError, StateError
+from .hostfile import ResourcePool, load_hostfile, resolve_pool
 from .launchers.deepspeed import ACCELERATOR_EXPORT_PREFIXES, deepspeed_env_files
 from .plan import JobPlan, PlanInputs, make_plan
-from .ports import PortLease, default_lock_dir, reserve_port
+from .ports import PortLease, default_lock_dir, port_is_free, reserve_port
 from .provisioners import AgentHandle, Provisioner, get_provisioner
 from .spec import JobSpec, load_deepspeed_config, spec_from_dict
 from .state import JobState
 from .store import JobRecord, Store
 
-__all__ = ["Controller", "AttemptRun", "prepare_plan", "default_state_dir", "new_job_id", "rank_log_tail"]
+__all__ = ["Controller", "AttemptRun", "prepare_plan", "recover_orphans", "default_state_dir", "new_job_id",
+           "rank_log_tail"]
 
 
 def default_state_dir() -> Path:
@@ -104,13 +105,7 @@ def prepare_plan(spec: JobSpec, state_dir: str | Path, job_id: str, *, attempt: 
         OrchError: HostfileError, FilterError, SpecError, PlanError, LaunchError.
     """
     state_dir = Path(state_dir)
-    if spec.hostfile:
-        hosts = load_hostfile(spec.hostfile)
-        source = spec.hostfile
-    else:
-        hosts = collections.OrderedDict(localhost=spec.num_gpus if spec.num_gpus > 0 else 1)
-        source = "<no hostfile: localhost>"
-    pool = resolve_pool(hosts, spec.include, spec.exclude, spec.num_nodes, spec.num_gpus, source=source)
+    pool = _pool(spec)
     master_addr = spec.master_addr or "127.0.0.1"
     lease = reserve_port(default_lock_dir(), spec.master_port, master_addr,
                          check_bind=spec.provisioner == "local", hold=hold_port)
@@ -124,10 +119,50 @@ def prepare_plan(spec: JobSpec, state_dir: str | Path, job_id: str, *, attempt: 
             resume_tag=resume_tag, controller_env=dict(os.environ), controller_cwd=spec.workdir,
             deepspeed_env_lines=_deepspeed_env_lines(spec.workdir),
             deepspeed_config=load_deepspeed_config(spec), accelerator_exports=_accelerator_exports())
-        return make_plan(spec, pool, inputs), lease
+        plan = make_plan(spec, pool, inputs)
+        _check_metrics_ports(plan)
+        return plan, lease
     except BaseException:
         lease.release()
         raise
+
+
+def _pool(spec: JobSpec) -> ResourcePool:
+    """The filtered resource pool of a spec, refusing pools a job cannot run on.
+
+    Raises:
+        HostfileError: the hostfile is bad, or a host left in the pool has ``slots=0``
+            (named with its line).
+        FilterError: the filters are bad, or leave no slot at all.
+    """
+    if spec.hostfile:
+        hosts = load_hostfile(spec.hostfile)
+        source = spec.hostfile
+    else:
+        hosts = collections.OrderedDict(localhost=spec.num_gpus if spec.num_gpus > 0 else 1)
+        source = "<no hostfile: localhost>"
+    pool = resolve_pool(hosts, spec.include, spec.exclude, spec.num_nodes, spec.num_gpus, source=source)
+    empty = [host for host, slots in pool.nodes if not slots]
+    if empty:
+        where = ", ".join(f"{h} (line {getattr(hosts, 'lines', {}).get(h, '?')})" for h in empty)
+        raise HostfileError(f"Hostfile {source}: host(s) {where} have slots=0, so they would run no rank; "
+                            "remove those lines or exclude the hosts.", path=source)
+    if not pool.nodes:
+        used = " and ".join(f"{name} {getattr(spec, name)!r}" for name in ("include", "exclude")
+                            if getattr(spec, name))
+        raise FilterError(f"No slot of hostfile {source} is left after {used or 'the filters'}; "
+                          f"the hostfile has {', '.join(hosts)}.")
+    return pool
+
+
+def _check_metrics_ports(plan: JobPlan) -> None:
+    """Local agents serve metrics on this machine: their ports must be free now."""
+    if plan.provisioner != "local":
+        return
+    for node in plan.nodes:
+        if node.metrics_port and not port_is_free(node.metrics_port, "0.0.0.0"):
+            raise PlanError(f"metrics port {node.metrics_port} (node {node.node_rank}, {node.host}) is in use on "
+                            "this machine; choose another metrics_port or leave it unset.")
 
 
 def rank_log_tail(plan: dict, global_rank: int, lines: int = 20) -> list[str]:
@@ -170,6 +205,7 @@ class AttemptRun:
         self.exits: dict[int, int] = {}
         self.state = JobState.PENDING
         self.cancel_event = threading.Event()
+        self.cancel_reason = "cancelled by the user"
         self.done = threading.Event()
         self._rank_node = {r.global_rank: n for n, r in plan.ranks()}
         self._last_ping = 0.0
@@ -253,8 +289,9 @@ class AttemptRun:
         self.exits[rank] = code
         self.c.store.add_event(self.job_id, self.plan.attempt, "rank_exit",
                                {"global_rank": rank, "node_rank": node_rank, "host": self._host(node_rank),
-                                "returncode": code, "how": msg.get("how")})
-        if code != 0:
+                                "returncode": code, "how": msg.get("how"),
+                                "during_teardown": self.state.is_terminal() and code != 0})
+        if code != 0 and not self.state.is_terminal():
             node = self._rank_node[rank]
             local = next(r.local_rank for r in node.ranks if r.global_rank == rank)
             self._fail({"kind": "rank_exit", "global_rank": rank, "local_rank": local, "node": node.host,
@@ -333,9 +370,14 @@ class AttemptRun:
             return
         self._set(JobState.FAILED, cause)
 
+    def cancel(self, reason: str = "cancelled by the user") -> None:
+        """Ask the attempt to stop (from any thread); the attempt's own thread acts on it."""
+        self.cancel_reason = reason
+        self.cancel_event.set()
+
     def _finish_cancelled(self) -> None:
         if not self.state.is_terminal():
-            self._set(JobState.CANCELLED, {"kind": "cancelled", "message": "cancelled by the user"})
+            self._set(JobState.CANCELLED, {"kind": "cancelled", "message": self.cancel_reason})
 
     def _log(self, text: str) -> None:
         os.makedirs(self.plan.run_dir, exist_ok=True)
@@ -410,12 +452,15 @@ class Controller:
         agent_lease_s: the controller's silence after which an agent stops its ranks
             (default ``$ORCH_AGENT_LEASE_S`` or 30 s).
         owner_url: the API URL of this controller, recorded as the owner of its jobs.
+        recover_every_s: if > 0, look for orphaned jobs (see :func:`recover_orphans`) this often;
+            ``orch server`` does, so a killed ``orch run`` is noticed.
     """
 
     def __init__(self, state_dir: str | Path | None = None, *, clock: Callable[[], float] = time.time,
                  provisioner_factory: Callable[[str], Provisioner] = get_provisioner,
                  heartbeat_s: float | None = None, node_timeout_s: float | None = None,
-                 agent_lease_s: float | None = None, owner_url: str | None = None) -> None:
+                 agent_lease_s: float | None = None, owner_url: str | None = None,
+                 recover_every_s: float = 0.0) -> None:
         self.state_dir = Path(state_dir or default_state_dir()).expanduser().resolve()
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.store = Store(self.state_dir / "orch.db", clock)
@@ -426,6 +471,7 @@ class Controller:
         proc = psutil.Process()
         self.owner = {"pid": proc.pid, "host": socket.gethostname(), "create_time": proc.create_time(),
                       "url": owner_url}
+        self.recover_every_s = recover_every_s
         self._runs: dict[str, AttemptRun] = {}
         self._lock = threading.Lock()
         self._closed = threading.Event()
@@ -474,9 +520,13 @@ class Controller:
             StateError: the job is not FAILED or CANCELLED, or its last attempt is still stopping.
             OrchError: the new attempt cannot be planned (the job stays as it was).
         """
+        self.recover()
         job = self.store.get_job(job_id)
         if not job.state.is_resumable():
-            raise StateError(f"Job {job.id} is {job.state.value}; only FAILED or CANCELLED jobs can be resumed.")
+            hint = (f" Cancel it first (orch cancel {job.id}) to resume it from its last checkpoint."
+                    if not job.state.is_terminal() else "")
+            raise StateError(f"Job {job.id} is {job.state.value}; only FAILED or CANCELLED jobs can be "
+                             f"resumed.{hint}")
         run = self._runs.get(job.id)
         if run is not None:
             run.done.wait()
@@ -512,7 +562,7 @@ class Controller:
             return job
         run = self.active_run(job.id)
         if run is not None:
-            run.cancel_event.set()
+            run.cancel()
         elif _owner_alive(job.owner):
             self.store.request_cancel(job.id)
         else:  # its controller is gone (and with it the agents): sweep, then record
@@ -534,36 +584,18 @@ class Controller:
         return self.store.get_job(job.id)
 
     def recover(self) -> list[str]:
-        """Fail the jobs whose controller died while they ran (call before serving).
+        """Fail the jobs whose controller died while they ran (see :func:`recover_orphans`)."""
+        return recover_orphans(self.store)
 
-        A job is orphaned when it is not terminal and its owner process is gone. Its
-        local agents stopped their ranks when their link closed; any process still
-        marked with the attempt's id is killed. Returns the ids of recovered jobs.
-        """
-        from agents.ranks import kill_marked
-        recovered = []
-        for job in self.store.list_jobs(limit=100_000):
-            if job.state.is_terminal() or _owner_alive(job.owner):
-                continue
-            if job.attempt:
-                kill_marked(f"{job.id}.{job.attempt}")
-            cause = {"kind": "controller_lost", "message": "the controller running this job went away; "
-                     "its agents stopped the ranks. Use `orch resume` to continue from the last checkpoint."}
-            self.store.set_state(job.id, JobState.FAILED, cause=cause)
-            if job.attempt:
-                self.store.mark_stopped(job.id, job.attempt)
-            self.store.set_owner(job.id, None)
-            recovered.append(job.id)
-        return recovered
-
-    def close(self, cancel: bool = True, timeout: float = 60.0) -> None:
+    def close(self, cancel: bool = True, timeout: float = 60.0,
+              reason: str = "cancelled: the controller running it shut down") -> None:
         """Stop serving: cancel (or leave) every attempt this controller runs, wait for them."""
         self._closed.set()
         with self._lock:
             runs = list(self._runs.values())
         for run in runs:
-            if cancel:
-                run.cancel_event.set()
+            if cancel and not run.done.is_set():
+                run.cancel(reason)
         for run in runs:
             run.done.wait(timeout)
         self.store.close()
@@ -584,15 +616,52 @@ class Controller:
         run.start()
 
     def _watch_requests(self) -> None:
+        last_recover = time.monotonic()
         while not self._closed.wait(0.25):
+            if self.recover_every_s and time.monotonic() - last_recover > self.recover_every_s:
+                last_recover = time.monotonic()
+                try:
+                    self.recover()
+                except Exception:  # noqa: BLE001 - the store may be closing
+                    pass
             with self._lock:
                 runs = [r for r in self._runs.values() if not r.done.is_set()]
             for run in runs:
                 try:
                     if self.store.get_job(run.job_id).cancel_requested:
-                        run.cancel_event.set()
+                        run.cancel()
                 except (OrchError, Exception):  # noqa: BLE001 - store closed at shutdown
                     continue
+
+
+def recover_orphans(store: Store) -> list[str]:
+    """Fail every job whose controller died while it ran; return their ids.
+
+    A job is orphaned when it is not terminal and the controller recorded as its owner is
+    no longer running on this host. Its local agents stopped their ranks when their link
+    to that controller closed (or when its lease ran out); any process still marked with
+    the attempt's id is killed here. The job becomes FAILED with cause ``controller_lost``,
+    so ``orch resume`` can continue it. Called by ``orch server`` at start and every few
+    seconds, and by CLI commands that work on the state directory without a server.
+    """
+    from agents.ranks import kill_marked
+    recovered = []
+    for job in store.active_jobs():
+        if _owner_alive(job.owner):
+            continue
+        if job.attempt:
+            kill_marked(f"{job.id}.{job.attempt}")
+        cause = {"kind": "controller_lost", "message": "the controller running this job went away; its agents "
+                 f"stopped the ranks. Continue from the last checkpoint with: orch resume {job.id}"}
+        try:
+            store.set_state(job.id, JobState.FAILED, cause=cause)
+        except StateError:  # someone else recorded an end meanwhile
+            continue
+        if job.attempt:
+            store.mark_stopped(job.id, job.attempt)
+        store.set_owner(job.id, None)
+        recovered.append(job.id)
+    return recovered
 
 
 def _env_seconds(name: str, default: float) -> float:
@@ -605,9 +674,12 @@ def _env_seconds(name: str, default: float) -> float:
 
 
 def _owner_alive(owner: dict[str, Any] | None) -> bool:
-    """True if the controller process recorded as ``owner`` is still running on this host."""
-    if not owner or owner.get("host") != socket.gethostname():
+    """True if the controller recorded as ``owner`` still runs (or runs on another host, which
+    cannot be checked from here)."""
+    if not owner:
         return False
+    if owner.get("host") != socket.gethostname():
+        return True
     try:
         proc = psutil.Process(int(owner["pid"]))
         return abs(proc.create_time() - float(owner.get("create_time", proc.create_time()))) < 1.0

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Literal, Mapping
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from .errors import SpecError
 
@@ -34,12 +34,10 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 _ENV_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
-def _scalar_to_str(value: Any, what: str) -> Any:
-    """YAML turns ``1`` into an int; accept numbers and strings, refuse the ambiguous rest."""
-    if isinstance(value, bool):
-        raise ValueError(f"{what} must be a string; write it in quotes (e.g. \"{str(value).lower()}\") "
-                         "so it is not read as a YAML boolean")
-    if isinstance(value, (int, float)):
+def _scalar_to_str(value: Any) -> Any:
+    """YAML turns ``1`` into an int: accept numbers as strings. Booleans and the rest are left
+    for validation to refuse (``true`` is ambiguous: "true"? "1"? "True"?)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
         return str(value)
     return value
 
@@ -107,29 +105,33 @@ class JobSpec(BaseModel):
             if not isinstance(key, str) or not _ENV_KEY_RE.match(key):
                 raise ValueError(f"variable name {key!r} is not a valid environment variable name "
                                  "(letters, digits and '_', not starting with a digit)")
-            out[key] = _scalar_to_str(value, f"env.{key}")
+            out[key] = _scalar_to_str(value)
         return out
 
     @field_validator("args", mode="before")
     @classmethod
     def _args(cls, v: Any) -> Any:
         if isinstance(v, (list, tuple)):
-            return [_scalar_to_str(x, f"args[{i}]") for i, x in enumerate(v)]
+            return [_scalar_to_str(x) for x in v]
         if isinstance(v, str):
             raise ValueError("expected a list of strings, e.g. [--steps, \"300\"]; got a single string")
         return v
 
-    @model_validator(mode="after")
-    def _exclusive(self) -> "JobSpec":
+    def cross_field_problems(self) -> list[tuple[str, str]]:
+        """Rules between fields, as ``(field path, message)`` pairs (empty: none broken)."""
+        problems = []
         if self.include and self.exclude:
-            raise ValueError("include and exclude are mutually exclusive (same as DeepSpeed's "
-                             "--include/--exclude); keep one of them")
-        if (self.include or self.exclude) and (self.num_nodes >= 0 or self.num_gpus >= 0):
-            raise ValueError("num_nodes/num_gpus cannot be combined with include/exclude (same as "
-                             "DeepSpeed's runner); use only the filter or only the counts")
+            problems.append(("exclude", "include and exclude are mutually exclusive (same as DeepSpeed's "
+                                        "--include/--exclude); keep one of them"))
+        if self.include or self.exclude:
+            for name in ("num_nodes", "num_gpus"):
+                if getattr(self, name) >= 0:
+                    problems.append((name, f"{name} cannot be combined with include/exclude (same as "
+                                           "DeepSpeed's runner); use only the filter or only the counts"))
         if self.module and self.no_python:
-            raise ValueError("module and no_python cannot both be true (same as DeepSpeed's launcher)")
-        return self
+            problems.append(("no_python", "module and no_python cannot both be true (same as DeepSpeed's "
+                                          "launcher)"))
+        return problems
 
     def to_dict(self) -> dict:
         """The spec as a JSON-able dict (what the store keeps)."""
@@ -177,6 +179,12 @@ def _problems_from(err: ValidationError, tree: yaml.Node | None) -> list[tuple[s
             msg = f"unknown field; valid fields are: {valid}"
         elif e["type"] == "missing":
             msg = "required field is missing"
+        elif loc and loc[0] == "deepspeed_config":
+            msg = ("expected the path of a DeepSpeed config (JSON) file or the config as a mapping; "
+                   f"got {type(e.get('input')).__name__} {e.get('input')!r}")
+        elif e["type"] == "string_type" and isinstance(e.get("input"), bool):
+            msg = (f"expected a string; got the YAML boolean {e['input']!r}: write it in quotes (e.g. "
+                   f"\"{str(e['input']).lower()}\") so it stays text")
         elif "input" in e and e["type"] not in ("value_error",) and not isinstance(e["input"], (dict, list)):
             msg = f"{msg}; got {e['input']!r}"
         problems.append((_loc_to_path(loc), msg, _line_of(tree, loc)))
@@ -190,6 +198,7 @@ def _problems_from(err: ValidationError, tree: yaml.Node | None) -> list[tuple[s
 
 
 def _raise(problems: list[tuple[str, str, int | None]], source: str) -> None:
+    problems = sorted(problems, key=lambda p: (p[2] is None, p[2] or 0))
     lines = [f"  {path}{f' (line {line})' if line else ''}: {msg}" for path, msg, line in problems]
     noun = "problem" if len(problems) == 1 else "problems"
     raise SpecError(f"Job spec {source} has {len(problems)} {noun}:\n" + "\n".join(lines),
@@ -237,24 +246,47 @@ def spec_from_dict(data: Any, base_dir: str | Path = ".", source: str = "<spec>"
     if not (spec.module or spec.no_python):
         updates["entrypoint"] = _resolve(Path(workdir), spec.entrypoint)
     spec = spec.model_copy(update=updates)
+    problems = spec.cross_field_problems() + _support_problems(spec)
     if check_files:
-        problems = _file_problems(spec)
-        if problems:
-            _raise([(p, m, _line_of(_tree, (p,))) for p, m in problems], source)
+        problems += _file_problems(spec)
+    if problems:
+        _raise([(p, m, _line_of(_tree, (p,))) for p, m in problems], source)
     return spec
+
+
+def _support_problems(spec: JobSpec) -> list[tuple[str, str]]:
+    """What this version of orch cannot run, as problems of the spec."""
+    from .errors import OrchError
+    from .launchers import get_launcher
+    from .provisioners import get_provisioner
+    problems = []
+    for name, check in (("launcher", get_launcher), ("provisioner", get_provisioner)):
+        try:
+            check(getattr(spec, name))
+        except OrchError as err:
+            problems.append((name, str(err)))
+    return problems
 
 
 def _file_problems(spec: JobSpec) -> list[tuple[str, str]]:
     problems = []
     if spec.hostfile is not None and not os.path.isfile(spec.hostfile):
-        problems.append(("hostfile", f"no such file: {spec.hostfile}"))
+        what = "is a directory, not a file" if os.path.isdir(spec.hostfile) else "no such file"
+        problems.append(("hostfile", f"{what}: {spec.hostfile}"))
     if not os.path.isdir(spec.workdir):
         problems.append(("workdir", f"no such directory: {spec.workdir}"))
-    if spec.no_python:
-        if not (os.path.isfile(spec.entrypoint) or shutil.which(spec.entrypoint)):
-            problems.append(("entrypoint", f"no such executable: {spec.entrypoint}"))
+    if spec.no_python:  # run as given: a bare name is looked up on PATH, a path from workdir
+        if "/" in spec.entrypoint:
+            path = os.path.join(spec.workdir, spec.entrypoint)
+            if not (os.path.isfile(path) and os.access(path, os.X_OK)):
+                problems.append(("entrypoint", f"no executable file {path}"))
+        elif not shutil.which(spec.entrypoint):
+            hint = (f" (there is a file of that name in {spec.workdir}: write ./{spec.entrypoint})"
+                    if os.path.exists(os.path.join(spec.workdir, spec.entrypoint)) else "")
+            problems.append(("entrypoint", f"no executable {spec.entrypoint!r} on PATH{hint}"))
     elif not spec.module and not os.path.isfile(spec.entrypoint):
-        problems.append(("entrypoint", f"no such file: {spec.entrypoint} (relative paths are taken "
+        what = "is a directory, not a file" if os.path.isdir(spec.entrypoint) else "no such file"
+        problems.append(("entrypoint", f"{what}: {spec.entrypoint} (relative paths are taken "
                                        f"from workdir {spec.workdir})"))
     if isinstance(spec.deepspeed_config, str):
         try:
@@ -290,6 +322,24 @@ def load_deepspeed_config(spec: JobSpec) -> dict:
     return value
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, except that a key given twice in one mapping is an error
+    (plain YAML loaders silently keep the last one)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} appears twice (first on line {seen[key]})", key_node.start_mark)
+            seen[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _UniqueKeyLoader.construct_mapping)
+
+
 def load_spec(path: str | os.PathLike, overrides: Mapping[str, Any] | None = None,
               check_files: bool = True) -> JobSpec:
     """Read, validate and resolve a YAML job spec file.
@@ -311,8 +361,8 @@ def load_spec(path: str | os.PathLike, overrides: Mapping[str, Any] | None = Non
     except OSError as err:
         raise SpecError(f"Cannot read job spec {p}: {err.strerror}.", path=str(p)) from err
     try:
-        tree = yaml.compose(text)
-        data = yaml.safe_load(text)
+        tree = yaml.compose(text, Loader=_UniqueKeyLoader)
+        data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""

@@ -235,6 +235,14 @@ class Store:
                                     (limit,)).fetchall()
         return [self._job(r) for r in rows]
 
+    def active_jobs(self) -> list[JobRecord]:
+        """Every job not in a terminal state, oldest first."""
+        terminal = tuple(s.value for s in JobState if s.is_terminal())
+        with self._lock:
+            rows = self._db.execute("SELECT * FROM jobs WHERE state NOT IN (?, ?, ?) ORDER BY created_at",
+                                    terminal).fetchall()
+        return [self._job(r) for r in rows]
+
     def set_state(self, job_id: str, new: JobState, *, cause: dict | None = None,
                   data: dict | None = None) -> JobRecord:
         """Move a job (and its current attempt) to ``new``; the one place state changes.
@@ -270,7 +278,9 @@ class Store:
                 if new.is_terminal():
                     db.execute("UPDATE attempts SET ended_at = ?, cause = ? WHERE job_id = ? AND number = ?",
                                (now, _dump(cause), job_id, attempt))
-            self._event(db, job_id, attempt or None, "state",
+            # PENDING always announces the next attempt (resume); record it under that number
+            ev_attempt = attempt + 1 if new == JobState.PENDING else attempt
+            self._event(db, job_id, ev_attempt or None, "state",
                         {"from": old.value, "to": new.value, "cause": cause, **(data or {})}, now)
         return self.get_job(job_id)
 

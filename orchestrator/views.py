@@ -65,7 +65,12 @@ def progress_of(lines: list[str]) -> dict[str, Any]:
 
 
 def rank_rows(store: Store, attempt: AttemptRecord) -> list[dict[str, Any]]:
-    """Every rank of an attempt with its node, pid, state, exit and progress."""
+    """Every rank of an attempt with its node, pid, state, exit and progress.
+
+    A rank's state is ``pending``, ``running``, ``exited`` (status 0), ``failed`` (ended
+    by itself with another status), ``stopped`` (ended because orch stopped the attempt)
+    or ``not started``.
+    """
     rows: dict[int, dict[str, Any]] = {}
     for node in attempt.plan.get("nodes", []):
         for r in node["ranks"]:
@@ -84,7 +89,8 @@ def rank_rows(store: Store, attempt: AttemptRecord) -> list[dict[str, Any]]:
             row = rows.get(ev.data["global_rank"])
             if row is not None and row["returncode"] is None:
                 code = ev.data["returncode"]
-                row.update(state="exited" if code == 0 else "failed", returncode=code, how=ev.data.get("how"))
+                state = "exited" if code == 0 else "stopped" if ev.data.get("during_teardown") else "failed"
+                row.update(state=state, returncode=code, how=ev.data.get("how"))
     if attempt.stopped_at is not None:
         for row in rows.values():
             if row["state"] in ("running", "pending"):

@@ -128,25 +128,38 @@ def test_cancel_from_another_process(orch, write_spec, hostfile, tmp_path) -> No
             os.killpg(proc.pid, signal.SIGKILL)
 
 
-def test_controller_killed_agents_stop_ranks_and_restart_recovers(orch, write_spec, hostfile, tmp_path) -> None:
+def test_controller_killed_agents_stop_ranks_and_the_job_is_marked_failed(orch, write_spec, hostfile,
+                                                                          tmp_path) -> None:
     ready = tmp_path / "ready"
     spec = write_spec(**spec_fields(hostfile(TWO_BY_TWO), WORKER_STEPS="6000", WORKER_READY_DIR=str(ready)))
     proc = orch.popen("run", str(spec))
     wait_for(lambda: len(list(ready.glob("*.ready"))) == 4, 60, "4 ranks running")
     (job,) = orch.json("list")
     assert len(job_processes(job["id"])) >= 6  # 2 agents + 4 ranks
+    assert Controller(orch.state_dir).recover() == []  # its controller is alive: not an orphan
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert_no_leftovers(job["id"], timeout=10)  # agents saw their link close and stopped the ranks
-    assert orch.json("status", job["id"])["state"] == "RUNNING"  # nobody has recorded the end yet
-    c = Controller(orch.state_dir)
-    try:
-        assert c.recover() == [job["id"]]
-        rec = c.get(job["id"])
-        assert rec.state == JobState.FAILED and rec.cause["kind"] == "controller_lost"
-    finally:
-        c.close()
+    detail = orch.json("status", job["id"])  # reading the store notices the dead controller
+    assert detail["state"] == "FAILED" and detail["cause"]["kind"] == "controller_lost"
+    assert f"orch resume {job['id']}" in detail["cause"]["message"]
+    assert all(r["state"] == "stopped" for r in detail["ranks"])
+    assert detail["attempts"][0]["stopped_at"] is not None
     assert [e["data"].get("to") for e in _events(orch, job["id"]) if e["kind"] == "state"][-1] == "FAILED"
+
+
+def test_resume_of_a_running_job_says_what_to_do(orch, write_spec, hostfile, tmp_path) -> None:
+    ready = tmp_path / "ready"
+    spec = write_spec(**spec_fields(hostfile("node-0 slots=1\n"), WORKER_STEPS="6000", WORKER_READY_DIR=str(ready)))
+    proc = orch.popen("run", str(spec))
+    try:
+        wait_for(lambda: list(ready.glob("*.ready")), 60, "the rank running")
+        (job,) = orch.json("list")
+        r = orch("resume", job["id"])
+        assert r.returncode == 2 and f"is RUNNING" in r.stderr and f"orch cancel {job['id']}" in r.stderr
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(30)
 
 
 @pytest.mark.parametrize("fields,hostfile_text,needles", [
@@ -159,6 +172,9 @@ def test_controller_killed_agents_stop_ranks_and_restart_recovers(orch, write_sp
     ({"num_nodes": "two"}, TWO_BY_TWO, ["num_nodes", "integer", "'two'"]),
     ({"entrypoint": "nope.py"}, TWO_BY_TWO, ["entrypoint", "no such file", "nope.py"]),
     ({}, "node-0 lots=2\n", ["Line 1", "node-0 lots=2", "<host> slots=<n>"]),
+    ({}, "node-0 slots=2\nnode-1 slots=0\n", ["node-1 (line 2)", "slots=0", "hostfile"]),
+    ({"exclude": "node-0@node-1"}, TWO_BY_TWO, ["No slot of hostfile", "exclude 'node-0@node-1'"]),
+    ({"provisioner": "ssh"}, TWO_BY_TWO, ["provisioner", "'ssh' is not available"]),
 ])
 def test_bad_input_is_one_clear_message_and_starts_nothing(orch, write_spec, hostfile, fields, hostfile_text,
                                                           needles) -> None:
@@ -202,6 +218,18 @@ def test_port_in_use_and_two_jobs_on_one_port(orch, write_spec, hostfile, tmp_pa
         first.wait(30)
     for job in orch.json("list"):
         assert_no_leftovers(job["id"])
+
+
+def test_metrics_port_in_use_is_refused_before_anything_starts(orch, write_spec, hostfile) -> None:
+    with socket.socket() as s:
+        s.bind(("0.0.0.0", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        spec = write_spec(**spec_fields(hostfile(TWO_BY_TWO)), metrics_port=port - 1)
+        for command in ("plan", "run"):
+            r = orch(command, str(spec))
+            assert r.returncode == 2 and f"metrics port {port} (node 1, node-1) is in use" in r.stderr
+    assert orch.json("list") == []
 
 
 def test_logs_prefix_every_rank_and_select_one(orch, write_spec, hostfile) -> None:
@@ -295,3 +323,21 @@ def test_every_node_agent_exports_metrics(orch, write_spec, hostfile, tmp_path) 
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_cli_edges(orch, tmp_path) -> None:
+    assert orch.json("list") == []  # no state yet: nothing is created by reading
+    assert not (orch.state_dir / "orch.db").exists()
+    r = orch("status", "nope")
+    assert r.returncode == 2 and "No jobs in state dir" in r.stderr
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    r = orch("list", "--state-dir", str(afile))
+    assert r.returncode == 2 and "is not a directory" in r.stderr and "Traceback" not in r.stderr
+    r = orch("server", "--port", "99999")
+    assert r.returncode == 2 and "1..65535" in r.stderr and "Traceback" not in r.stderr
+    r = orch("logs", "x", "--tail", "0")
+    assert r.returncode == 2 and "at least 1" in r.stderr
+    r = orch("cancel", "x", "--wait", "-3")
+    assert r.returncode == 2 and ">= 0" in r.stderr
+    assert json.loads(orch("-o", "json", "list").stdout) == []  # options also before the command

@@ -84,8 +84,9 @@ def test_pool_problems_are_plan_errors(tmp_path) -> None:
 
 
 def test_unsupported_launcher(tmp_path) -> None:
+    spec = _spec(tmp_path).model_copy(update={"launcher": "openmpi"})  # load_spec refuses it earlier
     with pytest.raises(LaunchError, match="openmpi.*not support"):
-        make_plan(_spec(tmp_path, launcher="openmpi"), _pool(("n0", 1)), _inputs())
+        make_plan(spec, _pool(("n0", 1)), _inputs())
 
 
 def test_plan_round_trips_through_json(tmp_path) -> None:
@@ -99,8 +100,8 @@ def test_plan_round_trips_through_json(tmp_path) -> None:
 def test_metrics_ports_per_node(tmp_path) -> None:
     local = make_plan(_spec(tmp_path, metrics_port=9100), _pool(("n0", 1), ("n1", 1), ("n2", 1)), _inputs())
     assert [n.metrics_port for n in local.nodes] == [9100, 9101, 9102]  # one machine: one port each
-    remote = make_plan(_spec(tmp_path, metrics_port=9100, provisioner="ssh"), _pool(("n0", 1), ("n1", 1)),
-                       _inputs())
+    ssh = _spec(tmp_path, metrics_port=9100).model_copy(update={"provisioner": "ssh"})
+    remote = make_plan(ssh, _pool(("n0", 1), ("n1", 1)), _inputs())
     assert [n.metrics_port for n in remote.nodes] == [9100, 9100]  # their own hosts
     assert make_plan(_spec(tmp_path), _pool(("n0", 1)), _inputs()).nodes[0].metrics_port is None
     with pytest.raises(PlanError, match="at most 65534"):

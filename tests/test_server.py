@@ -61,6 +61,8 @@ def test_submit_follow_cancel_resume_through_the_server(orch, server, write_spec
     assert [j["id"] for j in listed] == [job_id] and listed[0]["world_size"] == 2
     logs = httpx.get(f"{url}/api/jobs/{job_id}/logs", params={"rank": 1}).json()
     assert "step=1 loss=10.000000 rank=1" in logs["data"] and logs["eof"] is False
+    chunks = [json.loads(line) for line in orch("logs", job_id, "-o", "json", "--tail", "2").stdout.splitlines()]
+    assert [c["rank"] for c in chunks] == [0, 1] and all(len(c["lines"]) == 2 for c in chunks)
 
     r = orch("cancel", job_id, "--wait", "30")
     assert r.returncode == 0 and "CANCELLED" in r.stdout
@@ -106,6 +108,7 @@ def test_server_restart_keeps_history_and_stops_jobs_on_shutdown(orch, server, w
     # without a server, the commands read the store directly
     jobs = {j["id"]: j["state"] for j in orch.json("list")}
     assert jobs == {job: "SUCCEEDED", long_id: "CANCELLED"}
+    assert orch.json("status", long_id)["cause"]["message"] == "cancelled: orch server was stopped"
     r = orch("submit", str(ok))
     assert r.returncode == 2 and "No orch server is running" in r.stderr
     # a new server finds them all, with their history
@@ -127,6 +130,25 @@ def _answers(url: str) -> bool:
         return httpx.get(f"{url}/api/health", timeout=1).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def test_a_second_server_is_refused_and_the_first_stays_findable(orch, server) -> None:
+    proc, url = server
+    r = orch("server", "--port", str(_free_port()))
+    assert r.returncode == 2 and f"already runs for state dir {orch.state_dir} at {url}" in r.stderr
+    assert json.loads((orch.state_dir / "server.json").read_text())["url"] == url
+
+
+def test_server_port_in_use_is_one_clear_error(tmp_path) -> None:
+    from conftest import Orch
+    other = Orch(tmp_path / "other-state")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        r = other("server", "--port", str(port))
+    assert r.returncode == 2 and f"Cannot listen on 127.0.0.1:{port}" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "other-state" / "server.json").exists()
 
 
 def test_server_listens_on_loopback_by_default(orch, server) -> None:

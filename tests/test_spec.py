@@ -46,13 +46,15 @@ def test_every_problem_is_listed_with_field_and_line(project: Path) -> None:
     with pytest.raises(SpecError) as err:
         load_spec(p)
     fields = [f for f, _ in err.value.problems]
-    assert set(fields) == {"name", "launcher", "master_port", "env", "bogus", "num_nodes", "entrypoint"}
+    assert set(fields) == {"name", "launcher", "master_port", "env.B", "bogus", "num_nodes", "entrypoint"}
     msg = str(err.value)
     assert str(p) in msg and "7 problems" in msg
     assert "launcher (line 2)" in msg and "'foo'" in msg and "pdsh" in msg
     assert "bogus (line 6): unknown field; valid fields are:" in msg
     assert "entrypoint" in msg and "required" in msg
-    assert "quotes" in msg  # env B: true is a YAML boolean
+    assert "env.B (line 5)" in msg and "quotes" in msg  # env B: true is a YAML boolean
+    lines = [int(m) for m in __import__("re").findall(r"\(line (\d+)\)", msg)]
+    assert lines == sorted(lines)  # listed in file order
 
 
 def test_missing_files_are_problems(project: Path) -> None:
@@ -100,4 +102,60 @@ def test_cross_field_rules(project: Path, extra: str, needle: str) -> None:
 def test_spec_must_be_a_mapping(project: Path) -> None:
     p = _write(project, "- a\n- b\n")
     with pytest.raises(SpecError, match="expected a mapping"):
+        load_spec(p)
+
+
+def test_every_bad_env_value_is_reported(project: Path) -> None:
+    p = _write(project, "name: demo\nentrypoint: train.py\nenv:\n  A: true\n  B: [1, 2]\n  C: 3\n")
+    with pytest.raises(SpecError) as err:
+        load_spec(p)
+    assert sorted(f for f, _ in err.value.problems) == ["env.A", "env.B"]
+
+
+def test_cross_field_problems_point_at_their_lines(project: Path) -> None:
+    p = _write(project, "name: demo\nentrypoint: train.py\ninclude: a\nexclude: b\nnum_gpus: 1\n")
+    with pytest.raises(SpecError) as err:
+        load_spec(p)
+    msg = str(err.value)
+    assert "exclude (line 4): include and exclude are mutually exclusive" in msg
+    assert "num_gpus (line 5): num_gpus cannot be combined with include/exclude" in msg
+
+
+def test_what_this_version_cannot_run_is_a_spec_problem(project: Path) -> None:
+    p = _write(project, "name: demo\nentrypoint: train.py\nlauncher: slurm\nprovisioner: ssh\n")
+    with pytest.raises(SpecError) as err:
+        load_spec(p)
+    msg = str(err.value)
+    assert "launcher (line 3): launcher 'slurm' is a known DeepSpeed launcher but orch does not support it" in msg
+    assert "provisioner (line 4): provisioner 'ssh' is not available" in msg
+
+
+def test_duplicate_keys_are_refused(project: Path) -> None:
+    p = _write(project, "name: a\nentrypoint: train.py\nname: b\n")
+    with pytest.raises(SpecError, match=r"line 3.*'name' appears twice \(first on line 1\)"):
+        load_spec(p)
+
+
+def test_deepspeed_config_of_the_wrong_kind(project: Path) -> None:
+    p = _write(project, "name: a\nentrypoint: train.py\ndeepspeed_config: [1, 2]\n")
+    with pytest.raises(SpecError, match=r"deepspeed_config \(line 3\): expected the path of a DeepSpeed config.*"
+                                        r"or the config as a mapping; got list \[1, 2\]"):
+        load_spec(p)
+
+
+def test_no_python_entrypoint_follows_path_lookup(project: Path) -> None:
+    (project / "run.sh").write_text("#!/bin/sh\n")
+    (project / "run.sh").chmod(0o755)
+    p = _write(project, "name: a\nentrypoint: run.sh\nno_python: true\n")
+    with pytest.raises(SpecError, match=r"no executable 'run.sh' on PATH.*write ./run.sh"):
+        load_spec(p)
+    p = _write(project, "name: a\nentrypoint: ./run.sh\nno_python: true\n")
+    assert load_spec(p).entrypoint == "./run.sh"
+    p = _write(project, "name: a\nentrypoint: /bin/true\nno_python: true\n")
+    assert load_spec(p).entrypoint == "/bin/true"
+
+
+def test_hostfile_that_is_a_directory(project: Path) -> None:
+    p = _write(project, f"name: a\nentrypoint: train.py\nhostfile: {project}\n")
+    with pytest.raises(SpecError, match="is a directory, not a file"):
         load_spec(p)

@@ -23,4 +23,4 @@ def get_provisioner(name: str) -> Provisioner:
     if name == "local":
         return LocalProvisioner()
     raise ProvisionError(f"provisioner '{name}' is not available in this version of orch; "
-                         "use provisioner: local.")
+                         "use provisioner: local")
