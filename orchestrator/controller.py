@@ -59,6 +59,11 @@ def new_job_id(name: str) -> str:
     return f"{name}-{secrets.token_hex(3)}"
 
 
+def checkpoint_dir_of(spec: JobSpec, state_dir: str | Path, job_id: str) -> str:
+    """The job's checkpoint directory: the spec's, else ``<state dir>/jobs/<job id>/checkpoints``."""
+    return spec.checkpoint_dir or str((Path(state_dir) / "jobs" / job_id / "checkpoints").resolve())
+
+
 def _deepspeed_env_lines(workdir: str) -> tuple[str, ...]:
     """Lines of the ``.deepspeed_env`` files DeepSpeed's runner would read (home, then workdir)."""
     lines: list[str] = []
@@ -114,7 +119,7 @@ def prepare_plan(spec: JobSpec, state_dir: str | Path, job_id: str, *, attempt: 
         inputs = PlanInputs(
             job_id=job_id, attempt=attempt, master_port=lease.port,
             run_dir=str((job_dir / f"attempt-{attempt}").resolve()),
-            checkpoint_dir=spec.checkpoint_dir or str((job_dir / "checkpoints").resolve()),
+            checkpoint_dir=checkpoint_dir_of(spec, state_dir, job_id),
             python=_python(spec), default_master_addr=master_addr,
             resume_tag=resume_tag, controller_env=dict(os.environ), controller_cwd=spec.workdir,
             deepspeed_env_lines=_deepspeed_env_lines(spec.workdir),
@@ -535,8 +540,7 @@ class Controller:
             raise StateError(f"Job {job.id}'s attempt {job.attempt} is still stopping; try again shortly.")
         spec = spec_from_dict(job.spec, source=f"job {job.id}")
         number = job.attempt + 1
-        ckpt_dir = spec.checkpoint_dir or str(self.state_dir / "jobs" / job.id / "checkpoints")
-        info, skipped = latest_complete(ckpt_dir)
+        info, skipped = latest_complete(checkpoint_dir_of(spec, self.state_dir, job.id))
         plan, lease = prepare_plan(spec, self.state_dir, job.id, attempt=number,
                                    resume_tag=info.tag if info else None)
         try:
