@@ -307,9 +307,9 @@ class AttemptRun:
 
     def _on_done(self, node_rank: int, msg: dict) -> None:
         self.node_state[node_rank] = "done"
-        if all(s == "done" for s in self.node_state.values()) and not self.state.is_terminal():
-            if len(self.exits) == self.plan.world_size and all(c == 0 for c in self.exits.values()):
-                self._set(JobState.SUCCEEDED)
+        every_rank_ok = len(self.exits) == self.plan.world_size and all(c == 0 for c in self.exits.values())
+        if all(s == "done" for s in self.node_state.values()) and every_rank_ok and not self.state.is_terminal():
+            self._set(JobState.SUCCEEDED)
 
     def _on_stopped(self, node_rank: int, msg: dict) -> None:
         self.node_state[node_rank] = "stopped"
