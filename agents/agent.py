@@ -7,7 +7,8 @@ library, say) is moved to stderr, which is the agent's own log.
 
 Lifecycle, written once here for every provisioner:
 
-1. read ``start`` (the node's plan), answer ``hello``;
+1. say ``hello`` (proving the node's Python runs orch), then wait for ``start`` (the
+   node's plan), which the controller sends once every node has said hello;
 2. host the c10d store the launcher asks for (torchrun's static rendezvous), if any;
 3. start every rank in its own session (:class:`agents.ranks.RankProcess`), answer
    ``started`` (or ``spawn_failed`` and stop what was started);
@@ -26,6 +27,7 @@ import queue
 import signal
 import socket
 import sys
+import threading
 import time
 from typing import Any
 
@@ -62,13 +64,13 @@ class Agent:
         self._store = None
         self._exporter = None
         self._signalled: int | None = None
+        self._finished = threading.Event()
 
     # -- steps ------------------------------------------------------------------------------
 
     def run(self) -> int:
         """Run the node to its end; return the agent's exit status (0: every rank exited 0)."""
-        self.writer.send({"type": "hello", "host": socket.gethostname(), "pid": os.getpid(),
-                          "python": sys.executable, "node_rank": self.node["node_rank"]})
+        threading.Thread(target=self._heartbeats, name="heartbeats", daemon=True).start()
         self._start_exporter()
         if not self._host_store():
             return 1
@@ -135,8 +137,15 @@ class Agent:
                           "ranks": [{"global_rank": p.global_rank, "pid": p.pid} for p in self.ranks]})
         return True
 
+    def _heartbeats(self) -> None:
+        """Tell the controller this node is alive, on a thread of its own so that nothing the
+        main loop does (starting ranks, stopping them) delays a heartbeat."""
+        while not self._finished.wait(self.heartbeat_s):
+            if not self.writer.send({"type": "heartbeat", "at": time.time()}):
+                return
+
     def _supervise(self) -> int:
-        last_heartbeat = last_heard = time.monotonic()
+        last_heard = time.monotonic()
         while True:
             msg = self._next_message(0.05)
             now = time.monotonic()
@@ -156,9 +165,6 @@ class Agent:
                 self.writer.send({"type": "done", "exits": {str(k): v for k, v in self.exited.items()}})
                 self._cleanup()
                 return 0 if all(v == 0 for v in self.exited.values()) else 1
-            if now - last_heartbeat >= self.heartbeat_s:
-                self.writer.send({"type": "heartbeat", "at": time.time()})
-                last_heartbeat = now
 
     def _next_message(self, timeout: float) -> dict | None:
         try:
@@ -198,12 +204,32 @@ class Agent:
             kill_descendants()  # orphans re-parented to this subreaper, then reap everything
         kill_marked(self.attempt_id, node_rank=self.node["node_rank"])
         self._store = None
+        self._finished.set()
         if self._exporter is not None:
             self._exporter.shutdown()
 
     def on_signal(self, signum: int, _frame: Any) -> None:
         """SIGTERM/SIGINT: stop the ranks at the next turn of the loop."""
         self._signalled = signum
+
+
+def _wait_for_start(inbox: "queue.Queue[tuple[Any, dict]]", timeout: float = 600.0) -> dict | None:
+    """The ``start`` message (the controller sends it once every node's agent said hello)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            _tag, msg = inbox.get(timeout=1.0)
+        except queue.Empty:
+            continue
+        if msg.get("type") == "start":
+            return msg
+        if msg.get("type") in ("eof", "stop"):
+            return None  # the controller gave up on this attempt before it started
+        if msg.get("type") != "ping":
+            print(f"agent: expected a start message, got {msg.get('type')!r}; exiting", file=sys.stderr)
+            return None
+    print(f"agent: no start message within {timeout:.0f} s; exiting", file=sys.stderr)
+    return None
 
 
 def main() -> int:
@@ -214,13 +240,11 @@ def main() -> int:
     writer = MessageWriter(os.fdopen(link_fd, "wb", buffering=0))
     inbox: "queue.Queue[tuple[Any, dict]]" = queue.Queue()
     MessageReader(sys.stdin.buffer, name="controller-link", sink=inbox, tag="controller")
-    try:
-        _tag, first = inbox.get(timeout=60)
-    except queue.Empty:
-        print("agent: no start message within 60 s; exiting", file=sys.stderr)
-        return 2
-    if first.get("type") != "start":
-        print(f"agent: expected a start message, got {first.get('type')!r}; exiting", file=sys.stderr)
+    from orchestrator import __version__
+    writer.send({"type": "hello", "host": socket.gethostname(), "pid": os.getpid(), "python": sys.executable,
+                 "version": __version__})
+    first = _wait_for_start(inbox)
+    if first is None:
         return 2
     become_subreaper()
     base_env = {k: v for k, v in os.environ.items() if not k.startswith("ORCH_AGENT_")}

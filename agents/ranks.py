@@ -213,13 +213,16 @@ def stop_all(ranks: Sequence[RankProcess], grace: float) -> None:
 
 
 def kill_marked(marker_value: str, *, node_rank: int | None = None,
-                exclude_pids: Sequence[int] = ()) -> list[int]:
+                exclude_pids: Sequence[int] = (), key: str = MARKER_ENV,
+                node_key: str = NODE_RANK_ENV) -> list[int]:
     """SIGKILL every process whose environment has ``ORCH_ATTEMPT_ID=marker_value``.
 
     The last line of defence against stragglers that escaped their process group
     (e.g. a rank that daemonized a child). Only processes we may read are considered.
     With ``node_rank``, only processes that also have ``ORCH_NODE_RANK=<node_rank>``
-    (so an agent sweeping its node spares the other nodes sharing its machine).
+    (so an agent sweeping its node spares the other nodes sharing its machine). ``key`` and
+    ``node_key`` name other marker variables (agents carry ``ORCH_AGENT_ATTEMPT_ID`` and
+    ``ORCH_AGENT_NODE_RANK``).
 
     Returns:
         the pids that were killed.
@@ -232,8 +235,7 @@ def kill_marked(marker_value: str, *, node_rank: int | None = None,
             continue
         try:
             env = proc.environ()
-            if env.get(MARKER_ENV) == needle and (
-                    node_rank is None or env.get(NODE_RANK_ENV) == str(node_rank)):
+            if env.get(key) == needle and (node_rank is None or env.get(node_key) == str(node_rank)):
                 proc.kill()
                 killed.append(proc.pid)
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, OSError):

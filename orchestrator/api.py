@@ -8,7 +8,8 @@ Routes (JSON in and out; errors are ``{"error": message, "kind": ErrorClass}`` w
 * ``POST /api/jobs``  ``{"spec": {...}}``     submit a job (spec paths absolute)
 * ``GET  /api/jobs/{id}``                    a job with its attempts and ranks
 * ``POST /api/jobs/{id}/cancel``             cancel it
-* ``POST /api/jobs/{id}/resume``             start a new attempt from the last complete checkpoint
+* ``POST /api/jobs/{id}/resume`` ``{"exclude": [host, ...]}``  a new attempt from the last complete
+  checkpoint, optionally without some hosts
 * ``GET  /api/jobs/{id}/events?since=N``     its history
 * ``GET  /api/jobs/{id}/plan?attempt=K``     an attempt's plan
 * ``GET  /api/jobs/{id}/logs?rank=R&attempt=K&offset=B``  a rank's log from byte B
@@ -73,8 +74,11 @@ def create_app(controller: Controller) -> FastAPI:
         return job_detail(store, job.id)
 
     @app.post("/api/jobs/{job_id}/resume")
-    def resume(job_id: str) -> dict[str, Any]:
-        job = controller.resume(job_id)
+    def resume(job_id: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+        exclude = (body or {}).get("exclude") or []
+        if not isinstance(exclude, list) or not all(isinstance(h, str) for h in exclude):
+            raise ValueError("'exclude' must be a list of host names")
+        job = controller.resume(job_id, exclude_hosts=exclude)
         return job_detail(store, job.id)
 
     @app.get("/api/jobs/{job_id}/events")

@@ -144,8 +144,8 @@ class HttpBackend:
     def cancel(self, job_id: str) -> dict:
         return self._call("POST", f"/api/jobs/{job_id}/cancel")
 
-    def resume(self, job_id: str) -> dict:
-        return self._call("POST", f"/api/jobs/{job_id}/resume")
+    def resume(self, job_id: str, exclude: list[str]) -> dict:
+        return self._call("POST", f"/api/jobs/{job_id}/resume", json={"exclude": exclude})
 
     def submit(self, spec: dict, source: str) -> dict:
         return self._call("POST", "/api/jobs", json={"spec": spec, "source": source})
@@ -418,7 +418,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_resume(args: argparse.Namespace) -> int:
     url = _find_server(args)
     if url:
-        detail = HttpBackend(url).resume(args.job)
+        detail = HttpBackend(url).resume(args.job, args.exclude)
         _emit_detail(detail, args, f"Resumed job {detail['id']}: attempt {detail['attempt']} from checkpoint "
                                    f"{detail['attempts'][-1].get('resume_tag') or '(none: from the start)'}")
         return 0
@@ -428,7 +428,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
     controller = Controller(state_dir)
     try:
         before = controller.store.events(controller.get(args.job).id)
-        job = controller.resume(args.job)
+        job = controller.resume(args.job, exclude_hosts=args.exclude)
         attempt = controller.store.get_attempt(job.id, job.attempt)
         if args.output != "json":
             _console.print(f"Resuming job {job.id}: attempt {job.attempt} from checkpoint "
@@ -614,6 +614,13 @@ def cmd_server(args: argparse.Namespace) -> int:
 # -- argument parsing -----------------------------------------------------------------------------
 
 
+def _host_list(text: str) -> list[str]:
+    hosts = [h.strip() for h in text.split(",")]
+    if not all(hosts) or any(":" in h or "@" in h for h in hosts):
+        raise argparse.ArgumentTypeError(f"expected host names separated by commas (no slots), got {text!r}")
+    return hosts
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -695,6 +702,9 @@ def _parser() -> argparse.ArgumentParser:
     sp = add("resume", cmd_resume, "Start a new attempt of a FAILED or CANCELLED job from its last complete "
              "checkpoint (in the foreground unless a server runs it).")
     sp.add_argument("job", help="job id (or a unique prefix)")
+    sp.add_argument("--exclude", type=_host_list, action="extend", default=[], metavar="HOST[,HOST...]",
+                    help="leave these hostfile hosts out from now on (e.g. a lost node), so spare hosts take "
+                    "their place; may be repeated")
     return p
 
 

@@ -29,6 +29,7 @@ import sys
 import threading
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
@@ -92,7 +93,8 @@ def prepare_plan(spec: JobSpec, state_dir: str | Path, job_id: str, *, attempt: 
                  resume_tag: str | None = None, hold_port: bool = True) -> tuple[JobPlan, PortLease]:
     """Gather what the planner needs (the I/O part) and plan one attempt.
 
-    Reads the hostfile, applies the filters, reads the DeepSpeed config, reserves the
+    Reads the hostfile, applies the filters, checks the nodes can be reached as the
+    provisioner is configured (keys, names), reads the DeepSpeed config, reserves the
     master port, then calls the pure :func:`orchestrator.plan.make_plan`.
 
     Args:
@@ -107,11 +109,13 @@ def prepare_plan(spec: JobSpec, state_dir: str | Path, job_id: str, *, attempt: 
         ``(plan, lease)``; release the lease when the attempt is over.
 
     Raises:
-        OrchError: HostfileError, FilterError, SpecError, PlanError, LaunchError.
+        OrchError: HostfileError, FilterError, SpecError, PlanError, LaunchError, ProvisionError.
     """
     state_dir = Path(state_dir)
     pool = _pool(spec)
-    master_addr = spec.master_addr or "127.0.0.1"
+    provisioner = get_provisioner(spec.provisioner, spec)
+    provisioner.check(list(pool.hosts))
+    master_addr = spec.master_addr or provisioner.master_addr(pool.hosts[0])
     lease = reserve_port(default_lock_dir(), spec.master_port, master_addr,
                          check_bind=spec.provisioner == "local", hold=hold_port)
     try:
@@ -143,6 +147,14 @@ def _pool(spec: JobSpec) -> ResourcePool:
     if spec.hostfile:
         hosts = load_hostfile(spec.hostfile)
         source = spec.hostfile
+        unknown = [h for h in spec.exclude_hosts if h not in hosts]
+        if unknown:
+            raise FilterError(f"exclude_hosts names {', '.join(unknown)}, not in hostfile {source} (its hosts: "
+                              f"{', '.join(hosts)}).")
+        for host in spec.exclude_hosts:  # orch's own exclusion (lost nodes): before DeepSpeed's filters
+            del hosts[host]
+        if not hosts:
+            raise FilterError(f"exclude_hosts leaves no host of hostfile {source}.")
     else:
         hosts = collections.OrderedDict(localhost=spec.num_gpus if spec.num_gpus > 0 else 1)
         source = "<no hostfile: localhost>"
@@ -236,19 +248,71 @@ class AttemptRun:
             self._teardown()
 
     def _provision(self) -> None:
+        """Start every node's agent, wait until each said hello, then send each its plan.
+
+        No rank starts anywhere until every node's agent is up: a node that cannot be
+        reached, refuses the key or lacks the spec's Python fails the attempt with
+        ``provision_failed`` (every such node and its reason) before any rank runs.
+        """
+        failures = self._start_agents()
+        if not failures and not self.cancel_event.is_set():
+            failures = self._await_hellos()
+        if self.cancel_event.is_set():
+            return self._finish_cancelled()
+        if failures:
+            nodes = [{"node": self._host(n), "node_rank": n, "reason": why} for n, why in sorted(failures.items())]
+            listing = "; ".join(f"{f['node']} (node {f['node_rank']}): {f['reason']}" for f in nodes)
+            return self._fail({"kind": "provision_failed", "nodes": nodes, "node": nodes[0]["node"],
+                               "node_rank": nodes[0]["node_rank"],
+                               "message": f"could not start the agent on {len(nodes)} node(s): {listing}"})
         start_msg = {"type": "start", "attempt_id": self.plan.attempt_id, "grace": self.plan.grace,
                      "heartbeat_s": self.c.heartbeat_s, "lease_s": self.c.agent_lease_s}
+        now = time.monotonic()
         for node in self.plan.nodes:
+            self.last_heard[node.node_rank] = now
+            self.agents[node.node_rank].send({**start_msg, "node": node.to_dict()})
+
+    def _start_agents(self) -> dict[int, str]:
+        """Start the agents in parallel (at most ``provisioner.max_parallel`` at once)."""
+        failures: dict[int, str] = {}
+
+        def start(node: Any) -> None:
             if self.cancel_event.is_set():
-                return self._finish_cancelled()
+                return
             try:
-                handle = self.provisioner.start_agent(node, self.plan, self.events)
+                self.agents[node.node_rank] = self.provisioner.start_agent(node, self.plan, self.events)
             except ProvisionError as err:
-                return self._fail({"kind": "provision_failed", "node": node.host, "node_rank": node.node_rank,
-                                   "message": str(err)})
-            self.agents[node.node_rank] = handle
-            self.last_heard[node.node_rank] = time.monotonic()
-            handle.send({**start_msg, "node": node.to_dict()})
+                failures[node.node_rank] = str(err)
+
+        workers = max(1, min(len(self.plan.nodes), getattr(self.provisioner, "max_parallel", 64)))
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="provision") as pool:
+            list(pool.map(start, self.plan.nodes))
+        return failures
+
+    def _await_hellos(self) -> dict[int, str]:
+        """Wait for every agent's hello; an agent that ends or stays silent is a failure."""
+        waiting = set(self.agents)
+        failures: dict[int, str] = {}
+        deadline = time.monotonic() + self.c.provision_timeout_s
+        while waiting and not self.cancel_event.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                for n in waiting:
+                    failures[n] = (f"its agent did not answer within {self.c.provision_timeout_s:.0f} s"
+                                   f"{_detail(self.agents[n].diagnostics())}")
+                break
+            try:
+                node_rank, msg = self.events.get(timeout=min(left, 0.1))
+            except queue.Empty:
+                continue
+            if msg.get("type") == "hello":
+                waiting.discard(node_rank)
+                self._on_hello(node_rank, msg)
+            elif msg.get("type") == "eof" and node_rank in waiting:
+                waiting.discard(node_rank)
+                self.node_state[node_rank] = "gone"
+                failures[node_rank] = f"its agent ended before it started{_detail(self.agents[node_rank].diagnostics())}"
+        return failures
 
     def _turn(self) -> None:
         try:
@@ -348,8 +412,8 @@ class AttemptRun:
                                {"node_rank": node_rank, "message": msg})
 
     def _check_heartbeats(self) -> None:
-        if self.state.is_terminal():
-            return
+        if self.state.is_terminal() or not self.events.empty():
+            return  # messages still waiting to be read are no sign of silence
         now = time.monotonic()
         for node_rank, heard in self.last_heard.items():
             if self.node_state[node_rank] in ("done", "stopped", "gone"):
@@ -409,6 +473,7 @@ class AttemptRun:
             swept = self.provisioner.sweep(self.plan)
             if swept:
                 self.c.store.add_event(self.job_id, self.plan.attempt, "swept", {"pids": swept})
+            self.provisioner.close()
         except Exception:  # noqa: BLE001 - teardown must finish
             self._log(traceback.format_exc())
         finally:
@@ -449,20 +514,21 @@ class Controller:
     Args:
         state_dir: where the store, run directories and port locks live.
         clock: wall clock for the store (epoch seconds); injectable for tests.
-        provisioner_factory: name -> Provisioner (tests may replace it).
+        provisioner_factory: (name, spec) -> Provisioner (tests may replace it).
         heartbeat_s: how often agents send heartbeats and the controller pings them
-            (default ``$ORCH_HEARTBEAT_S`` or 1 s).
+            (default ``$ORCH_HEARTBEAT_S`` or 0.5 s).
         node_timeout_s: an agent's silence after which its node counts as lost
-            (default ``$ORCH_NODE_TIMEOUT_S`` or 10 s).
+            (default ``$ORCH_NODE_TIMEOUT_S`` or 3 s).
         agent_lease_s: the controller's silence after which an agent stops its ranks
-            (default ``$ORCH_AGENT_LEASE_S`` or 30 s).
+            (default ``$ORCH_AGENT_LEASE_S`` or 15 s). Agents also get
+            ``$ORCH_PROVISION_TIMEOUT_S`` (default 120 s) to start and say hello.
         owner_url: the API URL of this controller, recorded as the owner of its jobs.
         recover_every_s: if > 0, look for orphaned jobs (see :func:`recover_orphans`) this often;
             ``orch server`` does, so a killed ``orch run`` is noticed.
     """
 
     def __init__(self, state_dir: str | Path | None = None, *, clock: Callable[[], float] = time.time,
-                 provisioner_factory: Callable[[str], Provisioner] = get_provisioner,
+                 provisioner_factory: Callable[[str, JobSpec], Provisioner] = get_provisioner,
                  heartbeat_s: float | None = None, node_timeout_s: float | None = None,
                  agent_lease_s: float | None = None, owner_url: str | None = None,
                  recover_every_s: float = 0.0) -> None:
@@ -470,9 +536,10 @@ class Controller:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.store = Store(self.state_dir / "orch.db", clock)
         self.provisioner_factory = provisioner_factory
-        self.heartbeat_s = heartbeat_s or _env_seconds("ORCH_HEARTBEAT_S", 1.0)
-        self.node_timeout_s = node_timeout_s or _env_seconds("ORCH_NODE_TIMEOUT_S", 10.0)
-        self.agent_lease_s = agent_lease_s or _env_seconds("ORCH_AGENT_LEASE_S", 30.0)
+        self.heartbeat_s = heartbeat_s or _env_seconds("ORCH_HEARTBEAT_S", 0.5)
+        self.node_timeout_s = node_timeout_s or _env_seconds("ORCH_NODE_TIMEOUT_S", 3.0)
+        self.agent_lease_s = agent_lease_s or _env_seconds("ORCH_AGENT_LEASE_S", 15.0)
+        self.provision_timeout_s = _env_seconds("ORCH_PROVISION_TIMEOUT_S", 120.0)
         proc = psutil.Process()
         self.owner = {"pid": proc.pid, "host": socket.gethostname(), "create_time": proc.create_time(),
                       "url": owner_url}
@@ -509,7 +576,7 @@ class Controller:
         job_id = new_job_id(spec.name)
         plan, lease = prepare_plan(spec, self.state_dir, job_id)
         try:
-            provisioner = self.provisioner_factory(spec.provisioner)
+            provisioner = self.provisioner_factory(spec.provisioner, spec)
             self.store.create_job(job_id, spec.name, spec.to_dict(), owner=self.owner)
         except BaseException:
             lease.release()
@@ -517,8 +584,15 @@ class Controller:
         self._start_attempt(spec, plan, lease, provisioner)
         return self.store.get_job(job_id)
 
-    def resume(self, job_id: str) -> JobRecord:
+    def resume(self, job_id: str, exclude_hosts: list[str] | None = None) -> JobRecord:
         """Start a new attempt of a FAILED or CANCELLED job from its last complete checkpoint.
+
+        Args:
+            job_id: the job (or a unique prefix of its id).
+            exclude_hosts: hostfile hosts to leave out from now on (e.g. a lost node); they
+                join the spec's ``exclude_hosts`` and are removed from the hostfile before its
+                filters and ``num_nodes``/``num_gpus`` apply, so a spare host can take the
+                lost one's place.
 
         Raises:
             NotFoundError: no such job.
@@ -539,15 +613,20 @@ class Controller:
                 and _owner_alive(job.owner):
             raise StateError(f"Job {job.id}'s attempt {job.attempt} is still stopping; try again shortly.")
         spec = spec_from_dict(job.spec, source=f"job {job.id}")
+        if exclude_hosts:
+            merged = list(dict.fromkeys([*spec.exclude_hosts, *exclude_hosts]))
+            spec = spec.model_copy(update={"exclude_hosts": merged})
         number = job.attempt + 1
         info, skipped = latest_complete(checkpoint_dir_of(spec, self.state_dir, job.id))
         plan, lease = prepare_plan(spec, self.state_dir, job.id, attempt=number,
                                    resume_tag=info.tag if info else None)
         try:
-            provisioner = self.provisioner_factory(spec.provisioner)
+            provisioner = self.provisioner_factory(spec.provisioner, spec)
             self.store.set_state(job.id, JobState.PENDING, data={
-                "resume_tag": info.tag if info else None,
+                "resume_tag": info.tag if info else None, "exclude_hosts": spec.exclude_hosts,
                 "skipped_checkpoints": [{"tag": s.tag, "problems": list(s.problems)} for s in skipped]})
+            if exclude_hosts:
+                self.store.update_spec(job.id, spec.to_dict())
             self.store.set_owner(job.id, self.owner)
         except BaseException:
             lease.release()
@@ -666,6 +745,12 @@ def recover_orphans(store: Store) -> list[str]:
         store.set_owner(job.id, None)
         recovered.append(job.id)
     return recovered
+
+
+def _detail(text: str) -> str:
+    """``": <text>"`` for a non-empty diagnostic, else ``""``."""
+    text = " ".join(text.split())
+    return f": {text[-500:]}" if text else ""
 
 
 def _env_seconds(name: str, default: float) -> float:

@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from .errors import SpecError
 
-__all__ = ["JobSpec", "load_spec", "spec_from_dict", "load_deepspeed_config", "PROVISIONERS",
+__all__ = ["JobSpec", "SSHOptions", "load_spec", "spec_from_dict", "load_deepspeed_config", "PROVISIONERS",
            "KNOWN_LAUNCHERS"]
 
 #: Provisioners a spec may name. Only ``local`` is available in this version.
@@ -40,6 +40,29 @@ def _scalar_to_str(value: Any) -> Any:
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return str(value)
     return value
+
+
+class SSHOptions(BaseModel):
+    """How the ``ssh`` provisioner reaches the nodes (the spec's ``ssh`` section).
+
+    Every field left unset falls back to the user's ``~/.ssh/config`` (``User``, ``Port``,
+    ``IdentityFile``, ``UserKnownHostsFile``, ``HostName``) and then to OpenSSH's
+    defaults (the current user, port 22, the default keys and an ssh agent,
+    ``~/.ssh/known_hosts``).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    user: str | None = Field(None, min_length=1, description="Login user on every node.")
+    port: int | None = Field(None, ge=1, le=65535, description="sshd port on every node.")
+    identity_file: str | None = Field(None, description="Private key file (must be readable by the user only).")
+    known_hosts: str | None = Field(None, description="known_hosts file the nodes' host keys are checked against.")
+    host_key_policy: Literal["verify", "accept-new"] = Field(
+        "verify", description="verify: an unknown or changed host key is an error; accept-new: unknown keys "
+        "are added to known_hosts (changed keys are still an error), like OpenSSH's StrictHostKeyChecking=accept-new.")
+    connect_timeout: float = Field(10.0, gt=0, le=600, description="Seconds to connect and log in to one node.")
+    max_parallel: int = Field(32, ge=1, le=4096, description="Nodes connected to at once.")
+    config_file: str | None = Field(None, description="ssh client config to read (default ~/.ssh/config).")
 
 
 class JobSpec(BaseModel):
@@ -80,6 +103,10 @@ class JobSpec(BaseModel):
     checkpoint_dir: str | None = None
     metrics_port: int | None = Field(None, ge=1, le=65535)
     stop_grace_seconds: float = Field(10.0, gt=0, le=3600)
+    ssh: SSHOptions = Field(default_factory=SSHOptions)
+    exclude_hosts: list[str] = Field(default_factory=list, description="Hosts never to use (e.g. lost "
+                                     "nodes, added by `orch resume --exclude`); removed from the hostfile "
+                                     "before the filters and num_nodes/num_gpus apply.")
 
     @field_validator("name")
     @classmethod
@@ -245,6 +272,8 @@ def spec_from_dict(data: Any, base_dir: str | Path = ".", source: str = "<spec>"
         updates["deepspeed_config"] = _resolve(base, spec.deepspeed_config)
     if not (spec.module or spec.no_python):
         updates["entrypoint"] = _resolve(Path(workdir), spec.entrypoint)
+    ssh_paths = {k: _resolve(base, getattr(spec.ssh, k)) for k in ("identity_file", "known_hosts", "config_file")}
+    updates["ssh"] = spec.ssh.model_copy(update=ssh_paths)
     spec = spec.model_copy(update=updates)
     problems = spec.cross_field_problems() + _support_problems(spec)
     if check_files:

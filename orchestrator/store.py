@@ -284,6 +284,13 @@ class Store:
                         {"from": old.value, "to": new.value, "cause": cause, **(data or {})}, now)
         return self.get_job(job_id)
 
+    def update_spec(self, job_id: str, spec: dict) -> None:
+        """Replace the job's spec (e.g. hosts excluded on resume); the old one stays in the events."""
+        now = self.clock()
+        with self._tx() as db:
+            db.execute("UPDATE jobs SET spec = ?, updated_at = ? WHERE id = ?", (_dump(spec), now, job_id))
+            self._event(db, job_id, None, "spec_updated", {"spec": spec}, now)
+
     def set_owner(self, job_id: str, owner: dict | None) -> None:
         """Record which controller runs the job (None: nobody)."""
         with self._tx() as db:

@@ -174,7 +174,7 @@ def test_resume_of_a_running_job_says_what_to_do(orch, write_spec, hostfile, tmp
     ({}, "node-0 lots=2\n", ["Line 1", "node-0 lots=2", "<host> slots=<n>"]),
     ({}, "node-0 slots=2\nnode-1 slots=0\n", ["node-1 (line 2)", "slots=0", "hostfile"]),
     ({"exclude": "node-0@node-1"}, TWO_BY_TWO, ["No slot of hostfile", "exclude 'node-0@node-1'"]),
-    ({"provisioner": "ssh"}, TWO_BY_TWO, ["provisioner", "'ssh' is not available"]),
+    ({"provisioner": "ray"}, TWO_BY_TWO, ["provisioner", "'ray' is not available"]),
 ])
 def test_bad_input_is_one_clear_message_and_starts_nothing(orch, write_spec, hostfile, fields, hostfile_text,
                                                           needles) -> None:
@@ -341,3 +341,22 @@ def test_cli_edges(orch, tmp_path) -> None:
     r = orch("cancel", "x", "--wait", "-3")
     assert r.returncode == 2 and ">= 0" in r.stderr
     assert json.loads(orch("-o", "json", "list").stdout) == []  # options also before the command
+
+
+def test_resume_excluding_a_host_uses_a_spare(orch, write_spec, hostfile) -> None:
+    hosts = hostfile("node-0 slots=1\nnode-1 slots=1\nnode-2 slots=1\n")
+    spec = write_spec(**spec_fields(hosts, WORKER_STEPS="3", WORKER_FAIL_RANK="0", WORKER_FAIL_AT="2"),
+                      num_nodes=2)
+    assert orch("run", str(spec)).returncode == 1
+    (job,) = orch.json("list")
+    assert job["nodes"] == ["node-0", "node-1"]
+    r = orch("resume", job["id"], "--exclude", "nope")
+    assert r.returncode == 2 and "exclude_hosts names nope" in r.stderr and "node-0, node-1, node-2" in r.stderr
+    r = orch("resume", job["id"], "--exclude", "node-0")
+    assert r.returncode == 1  # rank 0 fails again, now on node-1
+    detail = orch.json("status", job["id"])
+    assert [a["nodes"] for a in detail["attempts"]] == [["node-0", "node-1"], ["node-1", "node-2"]]
+    assert detail["spec"]["exclude_hosts"] == ["node-0"]
+    r = orch("resume", job["id"], "--exclude", "node-1,node-2")
+    assert r.returncode == 2 and "leaves no host" in r.stderr
+    assert orch.json("status", job["id"])["spec"]["exclude_hosts"] == ["node-0"]  # a refused resume changes nothing

@@ -51,12 +51,12 @@ pdsh vs nossh — what reaches the ranks' environment besides ``launch.py``'s va
   ``PYTHON``, ``MLFLOW``, ``MV2``, ``UCX`` or an accelerator prefix (``NCCL`` on CUDA; none on
   CPU), ``PYTHONPATH`` prefixed with the runner's cwd, then each ``KEY=VALUE`` line of
   ``~/.deepspeed_env`` and ``./.deepspeed_env`` (file name from ``DS_ENV_FILE``). The planner
-  computes them with :func:`pdsh_exports` and puts them (with the spec's own ``env``) in
-  ``ctx.exports``. Values pass through DeepSpeed's ``add_export`` quoting and the remote shell,
-  so only values that survive that unchanged can be expressed (see :func:`pdsh_export_value`);
-  likewise the script's arguments, the interpreter and the working directory must survive
-  the remote shell unchanged (see :func:`pdsh_word_ok`). Anything else raises
-  :class:`LaunchError` rather than silently differ.
+  computes them with :func:`pdsh_exports` and puts them in ``ctx.exports``. Under the real
+  pdsh, values pass through DeepSpeed's ``add_export`` quoting and a remote shell, and so do
+  the script's arguments, the interpreter and the working directory; orch starts ranks
+  without any shell and passes all of them byte for byte. Where the real tool would have
+  changed something (see :func:`pdsh_export_value` and :func:`pdsh_word_ok`),
+  :meth:`DeepSpeedLauncher.warnings` says so, and ``orch plan`` shows the warning.
   With a *single* node DeepSpeed does not use pdsh at all (runner.py runs ``launch.py``
   locally, exporting nothing; see :meth:`DeepSpeedLauncher.uses_pdsh`): the planner must then
   not add :func:`pdsh_exports`, and no remote-shell restriction applies.
@@ -265,8 +265,9 @@ def pdsh_exports(runner_env: Mapping[str, str], cwd: str,
        :func:`deepspeed_env_files`), concatenated in that order, is exported (a later one wins,
        keeping the first one's position).
 
-    Keys and values are stripped as ``add_export`` strips them; values are then passed through
-    :func:`pdsh_export_value` (what the remote shell makes of them).
+    Keys and values are stripped as ``add_export`` strips them and otherwise passed byte for
+    byte (orch runs no shell; :meth:`DeepSpeedLauncher.warnings` names values DeepSpeed's
+    remote shell would have changed).
 
     Args:
         runner_env: the environment ``deepspeed`` runs with on the controller.
@@ -277,8 +278,7 @@ def pdsh_exports(runner_env: Mapping[str, str], cwd: str,
 
     Raises:
         LaunchError: a ``.deepspeed_env`` line has no ``=`` (DeepSpeed itself fails with
-            ``ValueError``), a key is not a shell identifier, or a value cannot be exported
-            exactly (see :func:`pdsh_export_value`).
+            ``ValueError``) or a key is not an environment variable name.
     """
     if not posixpath.isabs(cwd):
         raise LaunchError(f"pdsh_exports needs the runner's absolute working directory, got {cwd!r}")
@@ -303,12 +303,12 @@ def deepspeed_env_exports(deepspeed_env_lines: Iterable[str]) -> dict[str, str]:
     """Return the variables the ``.deepspeed_env`` lines export under pdsh, as the ranks see them.
 
     Same as runner.py ``main()``: every line is ``key, val = line.split('=', maxsplit=1)``
-    (no comments, no blank lines), then ``add_export`` (stripped, maybe quoted) and the remote
-    shell (:func:`pdsh_export_value`); a later line wins. Only for the multi-node pdsh path.
+    (no comments, no blank lines), then ``add_export`` (stripped); a later line wins. Only for
+    the multi-node pdsh path. Values are passed byte for byte (no shell).
 
     Raises:
-        LaunchError: a line has no ``=`` (DeepSpeed itself fails with ``ValueError``), a key is
-            not a shell identifier, or a value cannot be exported exactly.
+        LaunchError: a line has no ``=`` (DeepSpeed itself fails with ``ValueError``) or a key
+            is not an environment variable name.
     """
     raw: dict[str, str] = {}
     for line_no, line in enumerate(deepspeed_env_lines, 1):
@@ -321,11 +321,15 @@ def deepspeed_env_exports(deepspeed_env_lines: Iterable[str]) -> dict[str, str]:
 
 
 def _evaluate_exports(raw: Mapping[str, str]) -> dict[str, str]:
+    """The exported values as orch passes them: stripped (as ``add_export`` strips them), and
+    otherwise byte for byte. orch's agents start ranks without a shell, so nothing in a value
+    is ever expanded or run; where DeepSpeed's remote shell would have changed a value,
+    :meth:`DeepSpeedLauncher.warnings` says so (via :func:`pdsh_export_value`)."""
     out: dict[str, str] = {}
     for key, val in raw.items():
-        if not _ENV_KEY.match(key):
-            raise LaunchError(f"cannot export {key!r} under pdsh: not a shell variable name")
-        out[key] = pdsh_export_value(val, name=f"exported variable {key}=")
+        if not key or "=" in key or "\0" in key:
+            raise LaunchError(f"cannot export {key!r}: not an environment variable name")
+        out[key] = val.strip()
     return out
 
 

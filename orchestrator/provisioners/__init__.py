@@ -2,25 +2,33 @@
 
 ``get_provisioner(name)`` returns the provisioner a spec names. ``local`` (the embedded
 default) runs every node's agent as a subprocess of the controller on this machine;
-``ssh`` and ``ray`` are named in the spec schema and come in later versions.
+``ssh`` starts each node's agent over SSH (paramiko); ``ray`` comes in a later version.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 from ..errors import ProvisionError
 from .base import AgentHandle, Provisioner
 from .local import LocalProvisioner
 
+if TYPE_CHECKING:
+    from ..spec import JobSpec
+
 __all__ = ["AgentHandle", "Provisioner", "LocalProvisioner", "get_provisioner"]
 
 
-def get_provisioner(name: str) -> Provisioner:
-    """Return the provisioner called ``name``.
+def get_provisioner(name: str, spec: "JobSpec | None" = None) -> Provisioner:
+    """Return the provisioner called ``name``, configured from ``spec`` (its ``python``, ``ssh``).
 
     Raises:
         ProvisionError: the provisioner is not available in this version.
     """
     if name == "local":
         return LocalProvisioner()
+    if name == "ssh":
+        from .ssh import SSHProvisioner
+        return SSHProvisioner(spec.ssh if spec is not None else None, spec.python if spec is not None else None)
     raise ProvisionError(f"provisioner '{name}' is not available in this version of orch; "
                          "use provisioner: local")

@@ -38,11 +38,35 @@ class AgentHandle(ABC):
     def kill(self) -> None:
         """Kill the agent and everything it started, without grace."""
 
+    def diagnostics(self) -> str:
+        """What the agent wrote to its stderr lately (why it failed to start), or ``""``."""
+        return ""
+
 
 class Provisioner(ABC):
-    """Starts agents. One instance serves one attempt."""
+    """Starts agents. One instance serves one attempt.
+
+    Attributes:
+        name: the spec's ``provisioner`` value.
+        max_parallel: how many agents are started at once.
+    """
 
     name: str
+    max_parallel: int = 64
+
+    def check(self, hosts: list[str]) -> None:
+        """Refuse, before anything starts, nodes that cannot be reached as configured.
+
+        Raises:
+            ProvisionError: naming every such host and why.
+        """
+
+    def master_addr(self, host: str) -> str:
+        """The address the ranks rendezvous at when ``host`` is node 0 (no ``master_addr`` set)."""
+        return "127.0.0.1"
+
+    def close(self) -> None:
+        """Release connections once the attempt is over."""
 
     @abstractmethod
     def start_agent(self, node: NodePlan, plan: JobPlan,

@@ -30,7 +30,8 @@ class LocalAgent(AgentHandle):
     """A local agent subprocess and its pipes."""
 
     def __init__(self, node: NodePlan, proc: subprocess.Popen[bytes],
-                 events: "queue.Queue[tuple[int, dict]]") -> None:
+                 events: "queue.Queue[tuple[int, dict]]", log_path: str) -> None:
+        self.log_path = log_path
         self.node_rank = node.node_rank
         self.host = node.host
         self.proc = proc
@@ -51,6 +52,15 @@ class LocalAgent(AgentHandle):
             return True
         except subprocess.TimeoutExpired:
             return False
+
+    def diagnostics(self) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(0, f.tell() - 2000))
+                return f.read().decode("utf-8", "replace")
+        except OSError:
+            return ""
 
     def kill(self) -> None:
         try:
@@ -75,6 +85,7 @@ class LocalProvisioner(Provisioner):
         log_path = os.path.join(log_dir, f"node-{node.node_rank}.log")
         env = {k: v for k, v in os.environ.items() if not k.startswith("ORCH_")}
         env["ORCH_AGENT_ATTEMPT_ID"] = plan.attempt_id  # marks the agent; not passed to ranks
+        env["ORCH_AGENT_NODE_RANK"] = str(node.node_rank)
         try:
             with open(log_path, "ab") as log:
                 proc = subprocess.Popen([self.python, "-u", "-m", "agents.agent"], stdin=subprocess.PIPE,
@@ -83,7 +94,7 @@ class LocalProvisioner(Provisioner):
         except OSError as err:
             raise ProvisionError(f"Cannot start the agent for node {node.node_rank} ({node.host}): "
                                  f"{err.strerror or err}.") from err
-        return LocalAgent(node, proc, events)
+        return LocalAgent(node, proc, events, log_path)
 
     def sweep(self, plan: JobPlan) -> list[int]:
         return kill_marked(plan.attempt_id)
