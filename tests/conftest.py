@@ -139,14 +139,17 @@ def hostfile(tmp_path: Path) -> Callable[[str], Path]:
 # (tests/nethosts.py). Needs root, openssh-server, openssh-client and iproute2 (.ci/run installs
 # them); without them these fixtures FAIL with the reason: tests that need hosts are never skipped.
 
-def start_test_network(n_hosts: int, **kw: Any) -> "nethosts.TestNetwork":
+def start_test_network(n_hosts: int, **kw: Any) -> Any:
     """The common factory: a started ``nethosts.TestNetwork``; the caller closes it."""
     import nethosts
     try:
         nethosts.check_prerequisites()
     except nethosts.NetHostsError as err:
         pytest.fail(f"cannot build {n_hosts} namespace test hosts: {err}", pytrace=False)
-    return nethosts.TestNetwork(n_hosts, **kw).start()
+    try:
+        return nethosts.TestNetwork(n_hosts, **kw).start()
+    except nethosts.NetHostsError as err:    # e.g. no CAP_SYS_ADMIN for `ip netns add` in a container
+        pytest.fail(f"cannot build {n_hosts} namespace test hosts: {err}", pytrace=False)
 
 
 @pytest.fixture(scope="module")

@@ -32,7 +32,6 @@ loopback, so code that picks an interface (gloo) should be told ``GLOO_SOCKET_IF
 from __future__ import annotations
 
 import atexit
-import errno
 import fcntl
 import ipaddress
 import os
@@ -65,7 +64,7 @@ _MARK_RE = re.compile(rf"#\s*{FAMILY} pid=(\d+) net=(\d+)\s*$")
 _TMP_RE = re.compile(rf"^{FAMILY}-(\d+)-(\d+)-")
 
 _registry_lock = threading.RLock()
-_active: dict[int, "TestNetwork"] = {}        # k -> open network of this process
+_active: dict[int, TestNetwork] = {}        # k -> open network of this process
 _session_fd: int | None = None                 # our flock'ed /run/orchnet/<pid>.lock
 _session_pid: int | None = None
 
@@ -114,7 +113,7 @@ def check_prerequisites() -> None:
                 for line in f:
                     if line.startswith("root:"):
                         pw = line.split(":")[1]
-                        if pw.startswith("!") or pw.startswith("*LK*"):
+                        if pw.startswith(("!", "*LK*")):
                             problems.append("root's account is locked in /etc/shadow ('!'): sshd with "
                                             "UsePAM no refuses even key logins (set it to '*')")
         except OSError:
@@ -217,7 +216,8 @@ def _pids_by_netns(inodes: set[int]) -> dict[int, list[int]]:
 
 
 def _pids_with_cmdline(fragments: Sequence[str]) -> list[int]:
-    """Processes whose command line contains one of ``fragments`` (sshd -f <tmpdir>/...)."""
+    """sshd processes whose command line contains one of ``fragments`` (``sshd -f <tmpdir>/..``):
+    they are found this way even when their namespace's name is already gone."""
     out = []
     if not fragments:
         return out
@@ -229,7 +229,7 @@ def _pids_with_cmdline(fragments: Sequence[str]) -> list[int]:
                 cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
             continue
-        if cmd and any(frag in cmd for frag in fragments):
+        if "sshd" in cmd and any(frag in cmd for frag in fragments):
             out.append(int(entry.name))
     return out
 
@@ -332,9 +332,9 @@ def cleanup_stale() -> list[str]:
                 continue
             name = parts[1].strip().split("@")[0]
             m = _LINK_RE.match(name)
-            if m and not _owner_alive(int(m.group(1), 36), int(m.group(2), 36)):
-                if _ip("link", "del", name, check=False).returncode == 0:
-                    removed.append(f"link {name}")
+            if (m and not _owner_alive(int(m.group(1), 36), int(m.group(2), 36))
+                    and _ip("link", "del", name, check=False).returncode == 0):
+                removed.append(f"link {name}")
         for name in stale_ns:
             if _ip("netns", "del", name, check=False).returncode == 0:
                 removed.append(f"netns {name}")
@@ -437,18 +437,18 @@ class TestNetwork:
         return f"TestNetwork({self.n_hosts}, bridge={self.bridge!r}, subnet={self.subnet}, names={self.names})"
 
     # ---------------------------------------------------------------- lifecycle
-    def __enter__(self) -> "TestNetwork":
+    def __enter__(self) -> TestNetwork:
         return self.start()
 
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
         try:
             self.close()
-        except Exception as err:       # noqa: BLE001
+        except Exception as err:
             if exc_type is None:
                 raise
             warnings.warn(f"teardown of {self!r} failed: {err}", RuntimeWarning, stacklevel=2)
 
-    def start(self) -> "TestNetwork":
+    def start(self) -> TestNetwork:
         if self._started:
             raise NetHostsError("a TestNetwork starts once")
         self._started = True
@@ -468,13 +468,13 @@ class TestNetwork:
     def _setup(self) -> None:
         with _global_lock():
             _hold_session_lock()
+            cleanup_stale()            # also leftovers of an earlier process with our pid
             with _registry_lock:
                 k = 0
                 while k in _active:
                     k += 1
                 self.k = k
                 _active[k] = self
-            cleanup_stale()            # includes leftovers with our own pid and a free k
             pid36, k36 = _b36(self.pid), _b36(k)
             self.bridge = f"onb-{pid36}-{k36}"
             self.marker = _hosts_marker(self.pid, k)
@@ -519,10 +519,10 @@ class TestNetwork:
 
     def close(self) -> None:
         """Kill every process of every host, delete namespaces, veths, bridge, /etc/hosts lines
-        and temp files. Idempotent; does every step even when one fails, then raises."""
+        and temp files. Idempotent (an interrupted close can be called again); does every step
+        even when one fails, then raises."""
         if self._closed:
             return
-        self._closed = True
         t0 = time.monotonic()
         errors: list[str] = []
         popens = [h.sshd for h in self.hosts if h.sshd is not None]
@@ -554,6 +554,7 @@ class TestNetwork:
             if self.k is not None and _active.get(self.k) is self:
                 del _active[self.k]
         self.teardown_seconds = time.monotonic() - t0
+        self._closed = True
         if errors:
             raise NetHostsError(f"teardown of {self.bridge}: " + "; ".join(errors))
 
@@ -690,7 +691,7 @@ class TestNetwork:
         """An OpenSSH client config for every host (by name and by address); ``ssh -F it name``."""
         assert self.key_dir is not None
         path = Path(path) if path is not None else self.key_dir / "ssh_config"
-        blocks = [
+        text = (
             f"Host {' '.join([*self.names, *self.addresses])}\n"
             f"    User {self.user}\n"
             f"    Port {self.port}\n"
@@ -702,8 +703,8 @@ class TestNetwork:
             "    BatchMode yes\n"
             "    ConnectTimeout 5\n"
             "    LogLevel ERROR\n"
-        ]
-        path.write_text("\n".join(blocks))
+        )
+        path.write_text(text)
         return path
 
     def ssh_argv(self, i: int | str, *command: str) -> list[str]:
@@ -771,8 +772,10 @@ class TestNetwork:
             self._wait_sshd(h, time.monotonic() + timeout)
 
     def link_up(self, i: int | str) -> bool:
+        """Is eth0 inside host i administratively up (not cut)?"""
         r = _ip("-n", self.host(i).ns, "-o", "link", "show", IFACE, check=False)
-        return r.returncode == 0 and "state DOWN" not in r.stdout and ",UP" in r.stdout
+        m = re.search(r"<([^>]*)>", r.stdout)
+        return r.returncode == 0 and m is not None and "UP" in m.group(1).split(",")
 
     def reset(self) -> None:
         """Back to a healthy network: links up, every process but the sshds killed, dead sshds

@@ -12,11 +12,10 @@ import textwrap
 import time
 from pathlib import Path
 
+import nethosts
 import paramiko
 import psutil
 import pytest
-
-import nethosts
 from conftest import wait_for
 from nethosts import TestNetwork
 
