@@ -108,6 +108,46 @@ class _Reject(paramiko.MissingHostKeyPolicy):
             f"{self.target.known_hosts}), or set ssh.host_key_policy: accept-new in the job spec.")
 
 
+class _ChannelStream:
+    """A minimal binary stream over one direction of an SSH channel.
+
+    ``agents.link`` needs ``write``/``flush``/``close`` (the agent's stdin) or ``readline``
+    (its stdout or stderr). paramiko's own file objects try to flush again when garbage
+    collected after the channel closed, which prints tracebacks at exit; these do not.
+    """
+
+    def __init__(self, channel: paramiko.Channel, stderr: bool = False) -> None:
+        self.channel = channel
+        self._recv = channel.recv_stderr if stderr else channel.recv
+        self._buffer = b""
+
+    def write(self, data: bytes) -> int:
+        self.channel.sendall(data)
+        return len(data)
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        try:
+            self.channel.shutdown_write()  # the agent reads end-of-stream
+        except (OSError, EOFError, paramiko.SSHException):
+            pass
+
+    def readline(self) -> bytes:
+        while b"\n" not in self._buffer:
+            try:
+                chunk = self._recv(65536)
+            except (OSError, EOFError, paramiko.SSHException):
+                chunk = b""
+            if not chunk:
+                line, self._buffer = self._buffer, b""
+                return line
+            self._buffer += chunk
+        line, _, self._buffer = self._buffer.partition(b"\n")
+        return line + b"\n"
+
+
 class SSHAgent(AgentHandle):
     """An agent running at the other end of an SSH channel."""
 
@@ -121,15 +161,15 @@ class SSHAgent(AgentHandle):
         self.python = python
         self.attempt_id = attempt_id
         self._stderr_tail: collections.deque[str] = collections.deque(maxlen=40)
-        self._writer = MessageWriter(channel.makefile("wb"))
-        self._reader = MessageReader(channel.makefile("rb"), name=f"agent-{node.node_rank}", sink=events,
+        self._writer = MessageWriter(_ChannelStream(channel))
+        self._reader = MessageReader(_ChannelStream(channel), name=f"agent-{node.node_rank}", sink=events,
                                      tag=node.node_rank)
         self._stderr = threading.Thread(target=self._copy_stderr, args=(log_path,), daemon=True,
                                         name=f"agent-{node.node_rank}-stderr")
         self._stderr.start()
 
     def _copy_stderr(self, log_path: str) -> None:
-        stream = self.channel.makefile_stderr("rb")
+        stream = _ChannelStream(self.channel, stderr=True)
         with open(log_path, "ab") as log:
             for line in iter(stream.readline, b""):
                 log.write(line)
@@ -140,10 +180,7 @@ class SSHAgent(AgentHandle):
         return self._writer.send(msg)
 
     def close(self) -> None:
-        try:
-            self.channel.shutdown_write()  # the agent reads end-of-stream and stops its ranks
-        except (OSError, EOFError, paramiko.SSHException):
-            pass
+        self._writer.close()  # the agent reads end-of-stream and stops its ranks
 
     def wait(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
@@ -187,8 +224,9 @@ def run_remote(client: paramiko.SSHClient, argv: list[str], timeout: float = 30.
     channel = client.get_transport().open_session(timeout=timeout)
     channel.settimeout(timeout)
     channel.exec_command(shlex.join(argv))
-    out = channel.makefile("rb").read()
-    err = channel.makefile_stderr("rb").read()
+    out_stream, err_stream = _ChannelStream(channel), _ChannelStream(channel, stderr=True)
+    out = b"".join(iter(out_stream.readline, b""))
+    err = b"".join(iter(err_stream.readline, b""))
     status = channel.recv_exit_status()
     channel.close()
     if status != 0:
