@@ -335,7 +335,7 @@ class AttemptRun:
             return
         self._last_ping = now
         for node_rank, handle in self.agents.items():
-            if self.node_state[node_rank] not in ("done", "stopped", "gone"):
+            if self.node_state[node_rank] not in _ENDED:
                 handle.send({"type": "ping"})
 
     # -- message handlers ---------------------------------------------------------------------
@@ -394,7 +394,7 @@ class AttemptRun:
                     "message": f"the agent on {self._host(node_rank)} (node {node_rank}) failed: {msg.get('message')}"})
 
     def _on_eof(self, node_rank: int, msg: dict) -> None:
-        if self.node_state.get(node_rank) not in ("done", "stopped"):
+        if self.node_state.get(node_rank) not in ("done", "stopped", "lost"):
             self.node_state[node_rank] = "gone"
             self._fail({"kind": "node_lost", "node": self._host(node_rank), "node_rank": node_rank,
                         "message": f"node lost: the agent on {self._host(node_rank)} (node {node_rank}) "
@@ -416,9 +416,10 @@ class AttemptRun:
             return  # messages still waiting to be read are no sign of silence
         now = time.monotonic()
         for node_rank, heard in self.last_heard.items():
-            if self.node_state[node_rank] in ("done", "stopped", "gone"):
+            if self.node_state[node_rank] in _ENDED:
                 continue
             if now - heard > self.c.node_timeout_s:
+                self.node_state[node_rank] = "lost"  # unreachable: teardown will not wait for it
                 self._fail({"kind": "node_lost", "node": self._host(node_rank), "node_rank": node_rank,
                             "message": f"node lost: no heartbeat from the agent on {self._host(node_rank)} "
                                        f"(node {node_rank}) for {now - heard:.1f} s"})
@@ -456,17 +457,27 @@ class AttemptRun:
     # -- teardown -----------------------------------------------------------------------------
 
     def _teardown(self) -> None:
+        """Stop every reachable agent's ranks, kill what does not stop, sweep, record the end.
+
+        A lost node (its heartbeats stopped, or its link closed) is not waited for: its
+        agent stops its own ranks when the controller's pings stop reaching it (its lease),
+        and its connection is dropped here.
+        """
         try:
             reason = (self.c.store.get_job(self.job_id).cause or {}).get("message", "attempt ended")
-            for node_rank, handle in self.agents.items():
-                if self.node_state[node_rank] not in ("done", "stopped", "gone"):
+            lost = {n for n, state in self.node_state.items() if state in ("lost", "gone")}
+            for node_rank in lost & set(self.agents):
+                self.provisioner.forget(node_rank)
+            live = {n: h for n, h in self.agents.items() if n not in lost}
+            for node_rank, handle in live.items():
+                if self.node_state[node_rank] not in _ENDED:
                     handle.send({"type": "stop", "reason": reason})
             deadline = time.monotonic() + self.plan.grace + 5.0
-            for handle in self.agents.values():
+            for handle in live.values():
                 while not handle.wait(0.1) and time.monotonic() < deadline:
                     self._drain()
             self._drain()
-            for handle in self.agents.values():
+            for handle in live.values():
                 handle.close()
                 if not handle.wait(0.5):
                     handle.kill()
@@ -497,7 +508,7 @@ class AttemptRun:
                                         "how": msg.get("how"), "during_teardown": True})
             elif msg.get("type") in ("stopped", "done"):
                 self.node_state[node_rank] = msg["type"]
-            elif msg.get("type") == "eof" and self.node_state.get(node_rank) not in ("done", "stopped"):
+            elif msg.get("type") == "eof" and self.node_state.get(node_rank) not in ("done", "stopped", "lost"):
                 self.node_state[node_rank] = "gone"
 
 
@@ -745,6 +756,10 @@ def recover_orphans(store: Store) -> list[str]:
         store.set_owner(job.id, None)
         recovered.append(job.id)
     return recovered
+
+
+#: Node states after which an agent is no longer expected to say anything.
+_ENDED = ("done", "stopped", "gone", "lost")
 
 
 def _detail(text: str) -> str:

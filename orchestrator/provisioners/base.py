@@ -68,6 +68,9 @@ class Provisioner(ABC):
     def close(self) -> None:
         """Release connections once the attempt is over."""
 
+    def forget(self, node_rank: int) -> None:
+        """Drop a lost node's connection without waiting for it (it may never answer)."""
+
     @abstractmethod
     def start_agent(self, node: NodePlan, plan: JobPlan,
                     events: "queue.Queue[tuple[int, dict]]") -> AgentHandle:

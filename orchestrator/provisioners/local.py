@@ -97,4 +97,5 @@ class LocalProvisioner(Provisioner):
         return LocalAgent(node, proc, events, log_path)
 
     def sweep(self, plan: JobPlan) -> list[int]:
-        return kill_marked(plan.attempt_id)
+        """Kill every rank and agent of the attempt still on this machine (by their markers)."""
+        return kill_marked(plan.attempt_id) + kill_marked(plan.attempt_id, key="ORCH_AGENT_ATTEMPT_ID")

@@ -405,7 +405,20 @@ class SSHProvisioner(Provisioner):
         with self._lock:
             clients, self._clients = list(self._clients.values()), {}
         for client in clients:
-            client.close()
+            _close_quietly(client)
+
+    def forget(self, node_rank: int) -> None:
+        with self._lock:
+            client = self._clients.pop(node_rank, None)
+        if client is not None:
+            threading.Thread(target=_close_quietly, args=(client,), daemon=True).start()  # may block: not here
+
+
+def _close_quietly(client: paramiko.SSHClient) -> None:
+    try:
+        client.close()
+    except (OSError, EOFError, paramiko.SSHException):
+        pass
 
 
 def _identity_problems(path: str) -> list[str]:
