@@ -351,6 +351,13 @@ class SSHProvisioner(Provisioner):
             client.close()
             raise ProvisionError(f"no answer from {t.host} ({where}) within {t.timeout:.0f} s (host down or "
                                  "unreachable?)") from err
+        except paramiko.ssh_exception.NoValidConnectionsError as err:  # paramiko wraps refused/unreachable
+            client.close()
+            errors = list(err.errors.values())
+            if errors and all(isinstance(e, ConnectionRefusedError) for e in errors):
+                raise ProvisionError(f"{t.host} ({where}) refused the connection (is sshd running there?)") from err
+            why = "; ".join(sorted({getattr(e, "strerror", None) or str(e) for e in errors})) or str(err)
+            raise ProvisionError(f"cannot connect to {t.host} ({where}): {why}") from err
         except ConnectionRefusedError as err:
             client.close()
             raise ProvisionError(f"{t.host} ({where}) refused the connection (is sshd running there?)") from err

@@ -1,0 +1,651 @@
+"""The ssh provisioner against real sshd hosts (tests/nethosts.py): training, environment,
+per-host errors, bad input, node loss, resume on a spare, cancel.
+
+Every "node" is a network namespace on this machine with its own sshd; the hosts share the
+file system (the virtualenv, the workdir, the checkpoint directory) and the process table,
+so ``assert_no_leftovers`` sees every host's processes, and a process belongs to host i
+when ``/proc/<pid>/ns/net`` is host i's namespace. Ranks are examples/train_gpt.py (tiny
+model, ZeRO-2) where training matters, else tests/probe.py (starts in about a second and
+writes each rank's argv and environment to ``$PROBE_OUT_DIR/rank<RANK>.json``).
+
+Node-loss detection times are printed (``pytest -s``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from conftest import ROOT, assert_no_leftovers, job_processes, wait_for
+from orchestrator.checkpoints import inspect_tag, latest_complete
+from orchestrator.errors import NotFoundError
+from orchestrator.store import Store
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import helpers_train  # noqa: E402
+
+pytestmark = pytest.mark.integration
+
+EXAMPLES = ROOT / "examples"
+PROBE = ROOT / "tests" / "probe.py"
+TINY = ["--n-layer", "1", "--d-model", "32", "--n-head", "2", "--seq-len", "32", "--corpus-bytes", "200000",
+        "--log-interval", "0"]
+TRAIN = re.compile(r"^\[train\] step=(\d+) rank=(\d+) loss=(\S+)")
+# PATH: a login over SSH gets sshd's default PATH, where `ninja` is the system's (1.11), not the
+# virtualenv's (1.13) that prebuild_ops uses; the two keep different build logs, so every switch
+# rebuilds DeepSpeed's shm op (~30 s on 2 cores). The ranks get the test's own PATH instead.
+BASE_ENV = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "eth0",
+            "PATH": os.environ["PATH"]}
+GRACE = 5
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ds_ops() -> None:
+    """Build (first time: minutes) or load DeepSpeed's CPU ops once, not in every rank at once."""
+    helpers_train.prebuild_ops()
+
+
+# --------------------------------------------------------------------------- helpers
+
+def _ssh(net: Any, **over: Any) -> dict:
+    p = net.client_params()
+    return {"user": p["user"], "identity_file": p["key_filename"], "known_hosts": p["known_hosts"], **over}
+
+
+def _hosts(hostfile, net: Any) -> Path:
+    """A hostfile with every host of ``net``, one slot each."""
+    return hostfile("".join(f"{n} slots=1\n" for n in net.names))
+
+
+def _train_spec(write_spec, hostfile, net: Any, tmp_path: Path, *, steps: int, interval: int = 0,
+                launcher: str = "pdsh", name: str = "ssh", **extra: Any) -> Path:
+    config = json.loads((EXAMPLES / "ds_zero2.json").read_text())
+    config["train_micro_batch_size_per_gpu"] = 4
+    fields = dict(
+        name=name, hostfile=str(_hosts(hostfile, net)), provisioner="ssh", launcher=launcher,
+        workdir=str(EXAMPLES), entrypoint="train_gpt.py",
+        args=["--steps", str(steps), "--checkpoint-interval", str(interval), *TINY],
+        deepspeed_config=config, checkpoint_dir=str(tmp_path / f"ckpt-{name}"), ssh=_ssh(net), env=dict(BASE_ENV),
+        stop_grace_seconds=GRACE)
+    fields.update(extra)
+    return write_spec(**fields)
+
+
+def _probe_spec(write_spec, hostfile, net: Any, out_dir: Path, *, name: str = "probe", workdir: Path | None = None,
+                env: dict | None = None, hostfile_text: str | None = None, **extra: Any) -> Path:
+    hosts_path = hostfile(hostfile_text) if hostfile_text is not None else _hosts(hostfile, net)
+    fields = dict(
+        name=name, hostfile=str(hosts_path), provisioner="ssh", launcher="pdsh",
+        entrypoint=str(PROBE), ssh=_ssh(net),
+        env={**BASE_ENV, "PROBE_OUT_DIR": str(out_dir), **(env or {})}, stop_grace_seconds=GRACE)
+    if workdir is not None:
+        fields["workdir"] = str(workdir)
+    fields.update(extra)
+    return write_spec(**fields)
+
+
+def _losses(run_dir: Path) -> dict[tuple[int, int], float]:
+    """``{(rank, step): loss}`` from every rank's log of one attempt."""
+    out = {}
+    for log in (run_dir / "logs").glob("rank-*.log"):
+        for line in log.read_text(errors="replace").splitlines():
+            m = TRAIN.match(line)
+            if m:
+                out[(int(m.group(2)), int(m.group(1)))] = float(m.group(3))
+    return out
+
+
+def _last_steps(run_dir: Path, world: int) -> list[int]:
+    """The last step each rank logged (0: none yet)."""
+    losses = _losses(run_dir)
+    return [max((s for (r, s) in losses if r == rank), default=0) for rank in range(world)]
+
+
+_STORES: dict[Path, Store] = {}
+
+
+def _store(orch) -> Store:
+    """The job store of the ``orch`` fixture, read from this process (one connection per file)."""
+    path = orch.state_dir / "orch.db"
+    if path not in _STORES:
+        _STORES[path] = Store(path)
+    return _STORES[path]
+
+
+def _job_id(orch, timeout: float = 60) -> str:
+    """The id of the (only) job, as soon as it is in the store."""
+    path = orch.state_dir / "orch.db"
+
+    def find() -> str | None:
+        if not path.exists():
+            return None
+        try:
+            jobs = _store(orch).list_jobs()
+        except Exception:  # noqa: BLE001 - the file may be half-created
+            return None
+        return jobs[0].id if jobs else None
+    return wait_for(find, timeout, "the job in the store", interval=0.05)
+
+
+def _attempt(store: Store, job_id: str, number: int) -> Any:
+    """The attempt's record, or None while it is not stored yet (the job is stored first)."""
+    try:
+        return store.get_attempt(job_id, number)
+    except NotFoundError:
+        return None
+
+
+def _started_pids(store: Store, job_id: str, attempt: int = 1) -> dict[int, int]:
+    """``{global rank: pid}`` from the attempt's ``ranks_started`` events."""
+    out = {}
+    for ev in store.events(job_id):
+        if ev.attempt == attempt and ev.kind == "ranks_started":
+            out.update({r["global_rank"]: r["pid"] for r in ev.data["ranks"]})
+    return out
+
+
+def _netns_inode(net: Any, i: int) -> int:
+    return os.stat(f"/run/netns/{net.hosts[i].ns}").st_ino
+
+
+def _assert_in_host(net: Any, pid: int, i: int, rank: bool = True) -> None:
+    """Process ``pid`` runs in host i's network namespace, and came in over SSH to host i."""
+    assert os.stat(f"/proc/{pid}/ns/net").st_ino == _netns_inode(net, i), f"pid {pid} is not in host {i}"
+    env = psutil.Process(pid).environ()
+    assert env["SSH_CONNECTION"].split()[2] == net.addresses[i], env.get("SSH_CONNECTION")
+    if rank:
+        assert env["ORCH_NODE"] == net.names[i]
+    else:
+        assert env["ORCH_AGENT_NODE_RANK"] == str(i)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _foreign_processes(net: Any) -> list[str]:
+    """Processes left in the hosts' namespaces other than sshd (agents, ranks, their children)."""
+    out = []
+    for i in range(len(net.names)):
+        for pid in net.pids(i):
+            try:
+                cmd = " ".join(psutil.Process(pid).cmdline())
+            except psutil.NoSuchProcess:
+                continue
+            if "sshd" not in cmd:
+                out.append(f"host {i}: {pid} {cmd[:120]}")
+    return out
+
+
+def _assert_hosts_clean(net: Any, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while _foreign_processes(net):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"processes left on the hosts: {_foreign_processes(net)}")
+        time.sleep(0.1)
+
+
+def _out(r: subprocess.CompletedProcess) -> str:
+    return f"exit {r.returncode}\nstdout:\n{r.stdout[-4000:]}\nstderr:\n{r.stderr[-4000:]}"
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+
+
+# --------------------------------------------------------------------------- 1. training over SSH
+
+@pytest.mark.parametrize("launcher", ["pdsh", "nossh"])
+def test_zero2_training_over_ssh_on_three_hosts(orch, write_spec, hostfile, net3, tmp_path, launcher) -> None:
+    steps, interval = 6, 3
+    spec = _train_spec(write_spec, hostfile, net3, tmp_path, steps=steps, interval=interval, launcher=launcher)
+    proc = orch.popen("run", str(spec))
+    try:
+        job_id = _job_id(orch)
+        store = _store(orch)
+        pids = wait_for(lambda: (lambda p: p if len(p) == 3 else None)(_started_pids(store, job_id)), 60,
+                        "every node's ranks started", interval=0.05)
+        for rank, pid in pids.items():  # one rank per node: rank i runs on host i
+            _assert_in_host(net3, pid, rank)
+        agents = {e.data["node_rank"]: e.data["pid"] for e in store.events(job_id) if e.kind == "agent_up"}
+        assert sorted(agents) == [0, 1, 2]
+        for node_rank, pid in agents.items():  # and so does its agent
+            _assert_in_host(net3, pid, node_rank, rank=False)
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, f"{out[-3000:]}\n{err[-3000:]}"
+    finally:
+        _kill_group(proc)
+    detail = orch.json("status", job_id)
+    assert detail["state"] == "SUCCEEDED" and detail["nodes"] == net3.names
+    assert detail["master_addr"] == net3.addresses[0]
+    assert [x["step"] for x in detail["ranks"]] == [steps] * 3
+    losses = _losses(Path(detail["run_dir"]))
+    assert sorted(losses) == [(rank, s) for rank in range(3) for s in range(1, steps + 1)]
+    assert all(math.isfinite(v) and 0 < v < 10 for v in losses.values())
+    for tag in ("step_3", "step_6"):
+        info = inspect_tag(Path(detail["checkpoint_dir"]) / tag)
+        assert info.complete, info.problems
+        assert (info.zero_stage, info.world_size, info.step) == (2, 3, int(tag[5:]))
+    for rank in range(3):
+        log = (Path(detail["run_dir"]) / "logs" / f"rank-{rank}.log").read_text()
+        setup = next(line for line in log.splitlines() if line.startswith("[setup]"))
+        assert " zero_stage=2 " in setup and " world_size=3 " in setup and f" node_rank={rank} " in setup
+    assert_no_leftovers(job_id, timeout=1)
+    _assert_hosts_clean(net3)
+
+
+# --------------------------------------------------------------------------- 2. environment
+
+@pytest.mark.parametrize("launcher", ["pdsh", "nossh"])
+def test_env_values_reach_every_rank_byte_for_byte_and_no_shell_runs_them(orch, write_spec, hostfile, net3,
+                                                                           tmp_path, launcher) -> None:
+    traps = [tmp_path / f"ran-{i}" for i in range(6)]
+    env = {
+        "V_SPACES": "  two  spaces and a trailing one ",
+        "V_SINGLE": "it's 'quoted'",
+        "V_DOUBLE": 'say "hi" \\"there\\"',
+        "V_HOME": "$HOME and ${HOME} and ~",
+        "V_BACKTICK": f"`touch {traps[0]}`",
+        "V_SEMICOLON": f"a; touch {traps[1]}; echo b",
+        "V_SUBST": f"$(touch {traps[2]})",
+        "V_NEWLINES": f"line 1\nline 2\n$(touch {traps[3]})\n",
+        "V_MIXED": "'\"`;$|&<>*?[]{}()!#%\\ \t ü",
+        "V_EMPTY": "",
+    }
+    workdir = tmp_path / "wd"
+    workdir.mkdir()
+    # .deepspeed_env, read as DeepSpeed's runner reads it: `key, val = line.split('=', 1)`, then
+    # add_export strips both; exported by pdsh only (the nossh path ignores the file)
+    (workdir / ".deepspeed_env").write_text(
+        "DSENV_PLAIN=hello world   \n"
+        f"  DSENV_TRICKY =  $(touch {traps[4]}) `touch {traps[5]}` 'q' \"dq\" ; $HOME \n"
+        "DSENV_EQUALS=a=b==c\n"
+        "V_SPACES=from the file\n")  # the spec's env is laid over the pdsh exports
+    dsenv = {"DSENV_PLAIN": "hello world",
+             "DSENV_TRICKY": f"$(touch {traps[4]}) `touch {traps[5]}` 'q' \"dq\" ; $HOME",
+             "DSENV_EQUALS": "a=b==c"}
+    out_dir = tmp_path / "probe"
+    spec = _probe_spec(write_spec, hostfile, net3, out_dir, workdir=workdir, env=env, launcher=launcher)
+    r = orch("run", str(spec), timeout=120)
+    assert r.returncode == 0, _out(r)
+    reports = {int(p.stem[4:]): json.loads(p.read_text()) for p in out_dir.glob("rank*.json")}
+    assert sorted(reports) == [0, 1, 2]
+    for rank, report in reports.items():
+        got = report["env"]
+        for key, value in env.items():
+            assert got.get(key) == value, (rank, key, got.get(key), value)
+        for key, value in dsenv.items():
+            if launcher == "pdsh":
+                assert got.get(key) == value, (rank, key, got.get(key), value)
+            else:
+                assert key not in got, (rank, key)
+        assert got["SSH_CONNECTION"].split()[2] == net3.addresses[rank]  # rank i came in over SSH to host i
+        assert got["ORCH_NODE"] == net3.names[rank] and got["RANK"] == str(rank)
+        assert report["cwd"] == str(workdir)
+    assert [str(t) for t in traps if t.exists()] == []  # nothing in a value was run by a shell
+    (job,) = orch.json("list")
+    assert_no_leftovers(job["id"], timeout=1)
+    _assert_hosts_clean(net3)
+
+
+# --------------------------------------------------------------------------- 3. per-host errors
+
+def _unauthorized_key(tmp_path: Path) -> Path:
+    """A valid private key (mode 600, in a 0700 directory) whose public key no host authorizes."""
+    d = tmp_path / "otherkey"
+    d.mkdir(mode=0o700)
+    key = d / "id_ed25519"
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(key)], check=True, timeout=30)
+    os.chmod(key, 0o600)
+    return key
+
+
+def _assert_provision_failed(orch, r: subprocess.CompletedProcess, out_dir: Path, failed: dict[str, list[str]],
+                             net: Any) -> dict:
+    """The run failed with provision_failed naming exactly the hosts of ``failed`` (host -> words
+    of its reason), no rank started anywhere, and nothing is left."""
+    assert r.returncode == 1, _out(r)
+    (job,) = orch.json("list")
+    detail = orch.json("status", job["id"])
+    cause = detail["cause"]
+    assert detail["state"] == "FAILED" and cause["kind"] == "provision_failed", cause
+    assert [n["node"] for n in cause["nodes"]] == list(failed), cause
+    assert cause["node"] == next(iter(failed))
+    for node in cause["nodes"]:
+        for needle in failed[node["node"]]:
+            assert needle in node["reason"], (needle, node)
+            assert needle in cause["message"], (needle, cause["message"])
+    for host in net.names:
+        assert (host in cause["message"]) == (host in failed), (host, cause["message"])
+    shown = " ".join(r.stdout.split())  # what `orch run` printed names every such host
+    assert "FAILED" in shown and all(f"{h} (node {net.names.index(h)})" in shown for h in failed), _out(r)
+    # no rank started anywhere
+    assert not out_dir.exists() or list(out_dir.iterdir()) == []
+    assert [e for e in _store(orch).events(job["id"]) if e.kind in ("ranks_started", "rank_exit")] == []
+    logs = Path(detail["run_dir"]) / "logs"
+    assert [p.name for p in logs.glob("rank-*.log") if p.stat().st_size] == []
+    assert all(x["state"] == "not started" and x["pid"] is None for x in detail["ranks"]), detail["ranks"]
+    assert detail["attempts"][0]["stopped_at"] is not None
+    assert_no_leftovers(job["id"], timeout=1)
+    _assert_hosts_clean(net)
+    return detail
+
+
+@pytest.mark.parametrize("down", ["killed", "unreachable"])
+def test_host_down_fails_provisioning_naming_it(orch, write_spec, hostfile, net3, tmp_path, down) -> None:
+    out_dir = tmp_path / "probe"
+    if down == "killed":  # nothing listens there any more: the connection is refused
+        spec = _probe_spec(write_spec, hostfile, net3, out_dir)
+        why = ["refused the connection", "is sshd running there?"]
+    else:  # its link is cut: no answer at all
+        spec = _probe_spec(write_spec, hostfile, net3, out_dir, ssh=_ssh(net3, connect_timeout=2))
+        why = ["no answer from", "within 2 s", "host down or unreachable?"]
+    try:
+        if down == "killed":
+            net3.kill_host(1)
+        else:
+            net3.cut_link(1)
+        r = orch("run", str(spec), timeout=120)
+        _assert_provision_failed(orch, r, out_dir, {net3.names[1]: why}, net3)
+    finally:
+        net3.reset()
+    net3.connect(1).close()  # back for the next test
+
+
+def test_refused_key_fails_provisioning_naming_the_host(orch, write_spec, hostfile, net3, tmp_path) -> None:
+    # only host 1 is given the unauthorized key (through an ssh config file); the others the right one
+    bad = _unauthorized_key(tmp_path)
+    p = net3.client_params()
+    config = tmp_path / "ssh_config"
+    config.write_text(f"Host {net3.names[1]}\n    IdentityFile {bad}\n"  # IdentityFile accumulates: exclude
+                      f"Host * !{net3.names[1]}\n    IdentityFile {p['key_filename']}\n"
+                      f"Host *\n    User root\n    UserKnownHostsFile {p['known_hosts']}\n")
+    out_dir = tmp_path / "probe"
+    spec = _probe_spec(write_spec, hostfile, net3, out_dir, ssh={"config_file": str(config)})
+    r = orch("run", str(spec), timeout=120)
+    _assert_provision_failed(orch, r, out_dir, {net3.names[1]: ["refused the login as root", str(bad)]}, net3)
+
+
+def test_refused_key_on_every_host_names_every_host(orch, write_spec, hostfile, net3, tmp_path) -> None:
+    bad = _unauthorized_key(tmp_path)
+    out_dir = tmp_path / "probe"
+    spec = _probe_spec(write_spec, hostfile, net3, out_dir, ssh=_ssh(net3, identity_file=str(bad)))
+    r = orch("run", str(spec), timeout=120)
+    _assert_provision_failed(orch, r, out_dir, {h: ["refused the login as root", str(bad)] for h in net3.names},
+                             net3)
+
+
+def test_python_missing_on_the_nodes_fails_provisioning(orch, write_spec, hostfile, net3, tmp_path) -> None:
+    out_dir = tmp_path / "probe"
+    spec = _probe_spec(write_spec, hostfile, net3, out_dir, python="/nonexistent/python3")
+    r = orch("run", str(spec), timeout=120)
+    _assert_provision_failed(orch, r, out_dir, {h: ["agent ended before it started", "/nonexistent/python3"]
+                                                for h in net3.names}, net3)
+
+
+def test_unknown_host_key_fails_provisioning_naming_the_host(orch, write_spec, hostfile, net3, tmp_path) -> None:
+    # a known_hosts file that lacks host 1's key only
+    known = tmp_path / "known_hosts"
+    known.write_text("".join(line + "\n" for line in Path(net3.known_hosts).read_text().splitlines()
+                             if not line.startswith(net3.names[1] + ",")))
+    out_dir = tmp_path / "probe"
+    spec = _probe_spec(write_spec, hostfile, net3, out_dir, ssh=_ssh(net3, known_hosts=str(known)))
+    r = orch("run", str(spec), timeout=120)
+    _assert_provision_failed(orch, r, out_dir, {net3.names[1]: ["host key", "unknown", str(known), "accept-new"]},
+                             net3)
+
+
+def test_empty_known_hosts_fails_then_accept_new_adds_the_keys(orch, write_spec, hostfile, net3, tmp_path) -> None:
+    known = tmp_path / "known_hosts"
+    known.write_text("")
+    out_dir = tmp_path / "probe"
+    spec = _probe_spec(write_spec, hostfile, net3, out_dir, ssh=_ssh(net3, known_hosts=str(known)))
+    r = orch("run", str(spec), timeout=120)
+    _assert_provision_failed(orch, r, out_dir, {h: ["host key", "unknown", str(known)] for h in net3.names}, net3)
+    assert known.read_text() == ""  # verify never writes
+
+    spec = _probe_spec(write_spec, hostfile, net3, out_dir, name="accept",
+                       ssh=_ssh(net3, known_hosts=str(known), host_key_policy="accept-new"))
+    r = orch("run", str(spec), timeout=120)
+    assert r.returncode == 0, _out(r)
+    assert sorted(p.name for p in out_dir.glob("rank*.json")) == ["rank0.json", "rank1.json", "rank2.json"]
+    lines = known.read_text().splitlines()
+    assert sorted(lines) == sorted(f"{h.name} {h.host_pubkey}" for h in net3.hosts), lines
+    # the keys it added are the hosts' real keys: verifying against the file now succeeds
+    for p in out_dir.iterdir():
+        p.unlink()
+    spec = _probe_spec(write_spec, hostfile, net3, out_dir, name="verify", ssh=_ssh(net3, known_hosts=str(known)))
+    r = orch("run", str(spec), timeout=120)
+    assert r.returncode == 0, _out(r)
+    assert len(list(out_dir.glob("rank*.json"))) == 3
+    assert known.read_text().splitlines() == lines  # nothing added twice
+    for job in orch.json("list"):
+        assert_no_leftovers(job["id"], timeout=1)
+
+
+# --------------------------------------------------------------------------- 4. bad input
+
+@pytest.mark.parametrize("case", ["identity_missing", "identity_0644", "host_unresolvable", "port_not_int",
+                                  "unknown_option"])
+def test_bad_ssh_input_is_one_clear_message_and_starts_nothing(orch, write_spec, hostfile, net3, tmp_path,
+                                                               case) -> None:
+    out_dir = tmp_path / "probe"
+    if case == "identity_missing":
+        missing = tmp_path / "no-such-key"
+        ssh, needles = _ssh(net3, identity_file=str(missing)), [f"identity file {missing} does not exist"]
+    elif case == "identity_0644":
+        key = tmp_path / "open" / "id"
+        key.parent.mkdir(mode=0o700)
+        key.write_bytes(Path(net3.client_params()["key_filename"]).read_bytes())
+        os.chmod(key, 0o644)
+        ssh, needles = _ssh(net3, identity_file=str(key)), ["permissions 0644", str(key), "too open", "chmod 600"]
+    elif case == "host_unresolvable":
+        ssh, needles = _ssh(net3), ["host no-such-host.invalid does not resolve"]
+    elif case == "port_not_int":
+        ssh, needles = _ssh(net3, port="x"), ["ssh.port", "integer", "'x'"]
+    else:
+        ssh, needles = _ssh(net3, bogus=1), ["ssh.bogus", "unknown field"]
+    text = None
+    if case == "host_unresolvable":
+        text = f"{net3.names[0]} slots=1\nno-such-host.invalid slots=1\n{net3.names[2]} slots=1\n"
+    spec = _probe_spec(write_spec, hostfile, net3, out_dir, ssh=ssh, hostfile_text=text)
+    for command in ("plan", "run"):
+        r = orch(command, str(spec), timeout=60)
+        assert r.returncode == 2, (command, _out(r))
+        assert "Traceback" not in r.stderr + r.stdout
+        assert r.stderr.startswith("error:") and r.stderr.count("error:") == 1, r.stderr
+        err = " ".join(r.stderr.split())
+        for needle in needles:
+            assert needle in err, (needle, r.stderr)
+        if case == "host_unresolvable":
+            assert net3.names[0] not in err and net3.names[2] not in err  # only the bad one is named
+    assert orch.json("list") == []
+    assert not out_dir.exists()
+    assert _foreign_processes(net3) == []
+
+
+# --------------------------------------------------------------------------- 5. node loss
+
+def _wait_training(orch, job_id: str, world: int, past: int, timeout: float = 120, attempt: int = 1) -> Path:
+    """Wait until the job is RUNNING and every rank logged a step beyond ``past``; its run dir."""
+    store = _store(orch)
+    run_dir = Path(wait_for(lambda: _attempt(store, job_id, attempt), 60, f"attempt {attempt}").plan["run_dir"])
+
+    def ready() -> bool:
+        job = store.get_job(job_id)
+        assert not job.state.is_terminal(), f"the job ended early: {job.state.value} {job.cause}"
+        return job.state.value == "RUNNING" and min(_last_steps(run_dir, world)) > past
+    wait_for(ready, timeout, f"every rank past step {past}", interval=0.1)
+    return run_dir
+
+
+def _time_to_state(orch, job_id: str, state: str, fault_mono: float, timeout: float = 30) -> float:
+    """Seconds from ``fault_mono`` until the store says ``state`` (polled every 20 ms)."""
+    store = _store(orch)
+    deadline = time.monotonic() + timeout
+    while store.get_job(job_id).state.value != state:
+        assert time.monotonic() < deadline, f"not {state} within {timeout} s: {store.get_job(job_id).state}"
+        time.sleep(0.02)
+    return time.monotonic() - fault_mono
+
+
+@pytest.mark.parametrize("fault", ["kill_host", "cut_link"])
+def test_node_loss_mid_training_fails_fast_and_leaves_nothing(orch, write_spec, hostfile, net3, tmp_path,
+                                                              fault) -> None:
+    lease = 5
+    victim = 1
+    spec = _train_spec(write_spec, hostfile, net3, tmp_path, steps=100000, name=fault.replace("_", "-"))
+    proc = orch.popen("run", str(spec), env={"ORCH_AGENT_LEASE_S": str(lease), "ORCH_NODE_TIMEOUT_S": "3",
+                                             "ORCH_HEARTBEAT_S": "0.5"})
+    try:
+        job_id = _job_id(orch)
+        _wait_training(orch, job_id, 3, past=1)
+        pids = _started_pids(_store(orch), job_id)
+        victim_procs = [p for p in job_processes(job_id) if os.stat(f"/proc/{p.pid}/ns/net").st_ino ==
+                        _netns_inode(net3, victim)]
+        assert pids[victim] in [p.pid for p in victim_procs]  # its agent and rank run in the victim's namespace
+        wall0, t0 = time.time(), time.monotonic()
+        if fault == "kill_host":
+            net3.kill_host(victim)
+        else:
+            net3.cut_link(victim)
+        detect_s = _time_to_state(orch, job_id, "FAILED", t0)
+        if fault == "cut_link":  # its ranks still run: nothing could reach them, and its lease is not over
+            assert [p for p in victim_procs if _alive(p.pid)], \
+                "the cut host's processes were gone before its lease ran out"
+        detail = orch.json("status", job_id)
+        cause = detail["cause"]
+        ended_s = detail["attempts"][0]["ended_at"] - wall0
+        print(f"\n[ssh node loss] {fault} of {net3.names[victim]}: FAILED {detect_s:.2f} s after the fault "
+              f"(store's ended_at: {ended_s:.2f} s); cause: {cause['message']}")
+        assert cause["kind"] == "node_lost" and cause["node"] == net3.names[victim], cause
+        assert cause["node_rank"] == victim and net3.names[victim] in cause["message"]
+        assert detect_s < 5, f"node loss detected after {detect_s:.2f} s"
+        assert proc.wait(60) == 1
+        out, _ = proc.communicate()
+        assert net3.names[victim] in out
+        stopped_s = time.monotonic() - t0
+        if fault == "cut_link":
+            # the cut host cannot be told: its agent stops its ranks once the controller's lease runs out
+            assert_no_leftovers(job_id, timeout=lease + GRACE + 10)
+            gone_s = time.monotonic() - t0
+            print(f"[ssh node loss] cut host's agent stopped its ranks {gone_s:.1f} s after the cut "
+                  f"(lease {lease} s, grace {GRACE} s); orch run returned after {stopped_s:.1f} s")
+            assert gone_s > lease - 1  # it was the lease, not something else
+        else:
+            assert_no_leftovers(job_id, timeout=1)  # orch run returns once every reachable process is gone
+            print(f"[ssh node loss] orch run returned {stopped_s:.1f} s after the kill")
+        _assert_hosts_clean(net3, timeout=1 if fault == "kill_host" else 10)
+    finally:
+        _kill_group(proc)
+        net3.reset()
+    net3.connect(victim).close()
+
+
+# --------------------------------------------------------------------------- 6. resume on a spare
+
+def test_lost_node_resumes_on_a_spare_from_the_last_complete_checkpoint(orch, write_spec, hostfile, net4,
+                                                                        tmp_path) -> None:
+    steps, interval, victim = 120, 20, 1
+    spec = _train_spec(write_spec, hostfile, net4, tmp_path, steps=steps, interval=interval, name="spare",
+                       num_nodes=3)
+    proc = orch.popen("run", str(spec))
+    try:
+        job_id = _job_id(orch)
+        run_dir = _wait_training(orch, job_id, 3, past=1)
+        ckpt = Path(_attempt(_store(orch), job_id, 1).plan["checkpoint_dir"])
+
+        def between_checkpoints() -> bool:  # a complete checkpoint, and training well past it
+            done = _last_steps(run_dir, 3)
+            assert max(done) < steps, "attempt 1 finished before the fault"
+            return (inspect_tag(ckpt / f"step_{interval}").complete and min(done) > interval
+                    and 3 <= min(done) % interval <= interval - 6 and max(done) - min(done) < 3)
+        wait_for(between_checkpoints, 120, "training between two checkpoints", interval=0.02)
+        net4.kill_host(victim)
+        assert proc.wait(60) == 1
+    finally:
+        _kill_group(proc)
+        net4.reset()
+    first = orch.json("status", job_id)
+    assert first["state"] == "FAILED" and first["cause"]["kind"] == "node_lost", first["cause"]
+    assert first["cause"]["node"] == net4.names[victim] and first["nodes"] == net4.names[:3]
+    assert_no_leftovers(job_id, timeout=1)
+    reached = _losses(run_dir)
+    info, _ = latest_complete(ckpt)
+    assert info is not None and info.step % interval == 0 and info.step < steps
+
+    r = orch("resume", job_id, "--exclude", net4.names[victim], timeout=300)
+    assert r.returncode == 0, _out(r)
+    done = orch.json("status", job_id)
+    assert done["state"] == "SUCCEEDED" and [a["state"] for a in done["attempts"]] == ["FAILED", "SUCCEEDED"]
+    second = done["attempts"][1]
+    spare_nodes = [net4.names[0], net4.names[2], net4.names[3]]  # the spare joined; the lost host is out
+    assert second["nodes"] == spare_nodes and done["nodes"] == spare_nodes
+    assert done["spec"]["exclude_hosts"] == [net4.names[victim]]
+    tag = second["resume_tag"]
+    assert tag == info.tag, (tag, info.tag)
+    start = int(tag.removeprefix("step_"))
+    resumed = _losses(Path(done["run_dir"]))
+    assert Path(done["run_dir"]) != run_dir
+    for rank in range(3):
+        logged = sorted(s for (r_, s) in resumed if r_ == rank)
+        assert logged == list(range(start + 1, steps + 1)), (rank, logged[:3])  # tag+1 on: no restart from 0
+        log = (Path(done["run_dir"]) / "logs" / f"rank-{rank}.log").read_text()
+        assert f"[resume] rank={rank} tag={tag} global_step={start} " in log
+    both = sorted(k for k in resumed if k in reached)
+    assert both and all(s > start for (_, s) in both)
+    assert {r_ for (r_, _) in both} == {0, 1, 2}
+    differ = [(k, reached[k], resumed[k]) for k in both if reached[k] != resumed[k]]
+    print(f"\n[ssh resume] attempt 1 reached step {max(s for (_, s) in reached)}, attempt 2 resumed from {tag} "
+          f"on {spare_nodes}: {len(both) - len(differ)}/{len(both)} overlapping losses identical")
+    assert differ == [], differ[:5]
+    for tag_ in (f"step_{s}" for s in range(interval, steps + 1, interval)):
+        assert inspect_tag(ckpt / tag_).complete, tag_
+    assert_no_leftovers(job_id, timeout=1)
+    _assert_hosts_clean(net4)
+
+
+# --------------------------------------------------------------------------- 7. cancel over SSH
+
+def test_cancel_stops_every_rank_on_every_host_within_the_grace_period(orch, write_spec, hostfile, net3,
+                                                                        tmp_path) -> None:
+    spec = _train_spec(write_spec, hostfile, net3, tmp_path, steps=100000, name="cancel")
+    proc = orch.popen("run", str(spec))
+    try:
+        job_id = _job_id(orch)
+        _wait_training(orch, job_id, 3, past=1)
+        pids = _started_pids(_store(orch), job_id)
+        for rank, pid in pids.items():
+            _assert_in_host(net3, pid, rank)
+        t0 = time.monotonic()
+        r = orch("cancel", job_id, "--wait", "30", timeout=60)
+        elapsed = time.monotonic() - t0
+        assert r.returncode == 0 and "CANCELLED" in r.stdout, _out(r)
+        assert_no_leftovers(job_id, timeout=1)
+        print(f"\n[ssh cancel] every process gone {elapsed:.1f} s after `orch cancel` started (grace {GRACE} s)")
+        assert elapsed < GRACE + 3
+        assert proc.wait(30) == 1
+    finally:
+        _kill_group(proc)
+    detail = orch.json("status", job_id)
+    assert detail["state"] == "CANCELLED" and detail["cause"]["kind"] == "cancelled"
+    assert [x["state"] for x in detail["ranks"]] == ["stopped"] * 3, detail["ranks"]
+    assert detail["attempts"][0]["stopped_at"] is not None
+    assert not any(_alive(p) for p in pids.values())
+    _assert_hosts_clean(net3, timeout=1)
