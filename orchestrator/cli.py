@@ -621,25 +621,19 @@ def _host_list(text: str) -> list[str]:
     return hosts
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, got {text}")
-    return value
+def _bounded(kind: Callable[[str], float], low: float, high: float | None, what: str) -> Callable[[str], Any]:
+    """An argparse type: ``kind(text)`` within ``low..high``, else a message saying ``what`` was expected."""
+    def parse(text: str) -> Any:
+        value = kind(text)
+        if value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text}")
+        return value
+    return parse
 
 
-def _port(text: str) -> int:
-    value = int(text)
-    if not 1 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"expected a TCP port 1..65535, got {text}")
-    return value
-
-
-def _seconds(text: str) -> float:
-    value = float(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds >= 0, got {text}")
-    return value
+_positive_int = _bounded(int, 1, None, "a whole number of at least 1")
+_port = _bounded(int, 1, 65535, "a TCP port 1..65535")
+_seconds = _bounded(float, 0, None, "a number of seconds >= 0")
 
 
 def _common_options(parser: argparse.ArgumentParser, top: bool) -> None:

@@ -139,6 +139,15 @@ def parse_train_lines(text: str) -> dict[tuple[int, int], float]:
     return losses
 
 
+def attempt_losses(run_dir: str | Path) -> dict[tuple[int, int], float]:
+    """``{(rank, step): loss}`` from every rank's log of one orch attempt (``<run_dir>/logs``)."""
+    out = {}
+    for log in (Path(run_dir) / "logs").glob("rank-*.log"):
+        for (step, rank), loss in parse_train_lines(log.read_text(errors="replace")).items():
+            out[(rank, step)] = loss
+    return out
+
+
 def prebuild_ops(timeout: float = 900) -> None:
     """JIT-build (or load from ~/.cache/torch_extensions) the C++ ops the ranks need, once, here.
 

@@ -19,7 +19,6 @@ import pytest
 
 from conftest import SCRIPTS, assert_no_leftovers, job_processes, wait_for
 from orchestrator.controller import Controller
-from orchestrator.state import JobState
 
 pytestmark = pytest.mark.integration
 
@@ -156,7 +155,7 @@ def test_resume_of_a_running_job_says_what_to_do(orch, write_spec, hostfile, tmp
         wait_for(lambda: list(ready.glob("*.ready")), 60, "the rank running")
         (job,) = orch.json("list")
         r = orch("resume", job["id"])
-        assert r.returncode == 2 and f"is RUNNING" in r.stderr and f"orch cancel {job['id']}" in r.stderr
+        assert r.returncode == 2 and "is RUNNING" in r.stderr and f"orch cancel {job['id']}" in r.stderr
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(30)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -41,7 +40,6 @@ EXAMPLES = ROOT / "examples"
 PROBE = ROOT / "tests" / "probe.py"
 TINY = ["--n-layer", "1", "--d-model", "32", "--n-head", "2", "--seq-len", "32", "--corpus-bytes", "200000",
         "--log-interval", "0"]
-TRAIN = re.compile(r"^\[train\] step=(\d+) rank=(\d+) loss=(\S+)")
 # PATH: a login over SSH gets sshd's default PATH, where `ninja` is the system's (1.11), not the
 # virtualenv's (1.13) that prebuild_ops uses; the two keep different build logs, so every switch
 # rebuilds DeepSpeed's shm op (~30 s on 2 cores). The ranks get the test's own PATH instead.
@@ -97,13 +95,7 @@ def _probe_spec(write_spec, hostfile, net: Any, out_dir: Path, *, name: str = "p
 
 def _losses(run_dir: Path) -> dict[tuple[int, int], float]:
     """``{(rank, step): loss}`` from every rank's log of one attempt."""
-    out = {}
-    for log in (run_dir / "logs").glob("rank-*.log"):
-        for line in log.read_text(errors="replace").splitlines():
-            m = TRAIN.match(line)
-            if m:
-                out[(int(m.group(2)), int(m.group(1)))] = float(m.group(3))
-    return out
+    return helpers_train.attempt_losses(run_dir)
 
 
 def _last_steps(run_dir: Path, world: int) -> list[int]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import signal
 import sys
 from pathlib import Path
@@ -28,7 +27,6 @@ pytestmark = pytest.mark.integration
 EXAMPLES = ROOT / "examples"
 TINY = ["--n-layer", "1", "--d-model", "32", "--n-head", "2", "--seq-len", "32", "--corpus-bytes", "200000",
         "--log-interval", "0"]
-TRAIN = re.compile(r"^\[train\] step=(\d+) rank=(\d+) loss=(\S+)")
 REL_TOL = 1e-4
 
 
@@ -50,13 +48,7 @@ def _spec(write_spec, hostfile, stage, *, slots: int, args: list[str], name: str
 
 def _losses(run_dir: Path) -> dict[tuple[int, int], float]:
     """``{(rank, step): loss}`` from every rank's log of one attempt."""
-    out = {}
-    for log in (run_dir / "logs").glob("rank-*.log"):
-        for line in log.read_text(errors="replace").splitlines():
-            m = TRAIN.match(line)
-            if m:
-                out[(int(m.group(2)), int(m.group(1)))] = float(m.group(3))
-    return out
+    return helpers_train.attempt_losses(run_dir)
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3, "2_offload"])
