@@ -122,12 +122,12 @@ def test_cross_field_problems_point_at_their_lines(project: Path) -> None:
 
 
 def test_what_this_version_cannot_run_is_a_spec_problem(project: Path) -> None:
-    p = _write(project, "name: demo\nentrypoint: train.py\nlauncher: slurm\nprovisioner: ssh\n")
+    p = _write(project, "name: demo\nentrypoint: train.py\nlauncher: slurm\nprovisioner: ray\n")
     with pytest.raises(SpecError) as err:
         load_spec(p)
     msg = str(err.value)
     assert "launcher (line 3): launcher 'slurm' is a known DeepSpeed launcher but orch does not support it" in msg
-    assert "provisioner (line 4): provisioner 'ssh' is not available" in msg
+    assert "provisioner (line 4): provisioner 'ray' is not available" in msg
 
 
 def test_duplicate_keys_are_refused(project: Path) -> None:
