@@ -112,9 +112,9 @@ def prepare_plan(spec: JobSpec, state_dir: str | Path, job_id: str, *, attempt: 
         OrchError: HostfileError, FilterError, SpecError, PlanError, LaunchError, ProvisionError.
     """
     state_dir = Path(state_dir)
-    pool = _pool(spec)
     provisioner = get_provisioner(spec.provisioner, spec)
-    provisioner.check(list(pool.hosts))
+    pool = _pool(spec, provisioner)
+    provisioner.check(pool)
     master_addr = spec.master_addr or provisioner.master_addr(pool.hosts[0])
     lease = reserve_port(default_lock_dir(), spec.master_port, master_addr,
                          check_bind=spec.provisioner == "local", hold=hold_port)
@@ -136,25 +136,29 @@ def prepare_plan(spec: JobSpec, state_dir: str | Path, job_id: str, *, attempt: 
         raise
 
 
-def _pool(spec: JobSpec) -> ResourcePool:
+def _pool(spec: JobSpec, provisioner: Provisioner) -> ResourcePool:
     """The filtered resource pool of a spec, refusing pools a job cannot run on.
+
+    The hosts are the hostfile's; without one, what the provisioner finds (a Ray
+    cluster's nodes), else ``localhost`` with ``num_gpus`` (or 1) slots.
 
     Raises:
         HostfileError: the hostfile is bad, or a host left in the pool has ``slots=0``
             (named with its line).
         FilterError: the filters are bad, or leave no slot at all.
     """
-    if spec.hostfile:
-        hosts = load_hostfile(spec.hostfile)
-        source = spec.hostfile
+    discovered = None if spec.hostfile else provisioner.discover()
+    if spec.hostfile or discovered:
+        hosts = load_hostfile(spec.hostfile) if spec.hostfile else discovered
+        source = spec.hostfile or f"<the {provisioner.name} cluster's nodes>"
         unknown = [h for h in spec.exclude_hosts if h not in hosts]
         if unknown:
-            raise FilterError(f"exclude_hosts names {', '.join(unknown)}, not in hostfile {source} (its hosts: "
+            raise FilterError(f"exclude_hosts names {', '.join(unknown)}, not in {source} (its hosts: "
                               f"{', '.join(hosts)}).")
         for host in spec.exclude_hosts:  # orch's own exclusion (lost nodes): before DeepSpeed's filters
             del hosts[host]
         if not hosts:
-            raise FilterError(f"exclude_hosts leaves no host of hostfile {source}.")
+            raise FilterError(f"exclude_hosts leaves no host of {source}.")
     else:
         hosts = collections.OrderedDict(localhost=spec.num_gpus if spec.num_gpus > 0 else 1)
         source = "<no hostfile: localhost>"

@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from .errors import SpecError
 
-__all__ = ["JobSpec", "SSHOptions", "load_spec", "spec_from_dict", "load_deepspeed_config", "PROVISIONERS",
+__all__ = ["JobSpec", "SSHOptions", "RayOptions", "load_spec", "spec_from_dict", "load_deepspeed_config", "PROVISIONERS",
            "KNOWN_LAUNCHERS"]
 
 #: Provisioners a spec may name. Only ``local`` is available in this version.
@@ -65,6 +65,17 @@ class SSHOptions(BaseModel):
     config_file: str | None = Field(None, description="ssh client config to read (default ~/.ssh/config).")
 
 
+class RayOptions(BaseModel):
+    """Which Ray cluster the ``ray`` provisioner uses (the spec's ``ray`` section)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    address: str = Field("local", min_length=1, description="local: start Ray on this machine; auto: the "
+                         "cluster `ray start` made here (or $RAY_ADDRESS); host:port: that cluster's GCS; "
+                         "ray://host:port: through Ray Client.")
+    connect_timeout: float = Field(30.0, gt=0, le=600, description="Seconds to reach the cluster.")
+
+
 class JobSpec(BaseModel):
     """A validated, frozen job spec. See ``docs/jobspec.md`` for every field.
 
@@ -104,6 +115,7 @@ class JobSpec(BaseModel):
     metrics_port: int | None = Field(None, ge=1, le=65535)
     stop_grace_seconds: float = Field(10.0, gt=0, le=3600)
     ssh: SSHOptions = Field(default_factory=SSHOptions)
+    ray: RayOptions = Field(default_factory=RayOptions)
     exclude_hosts: list[str] = Field(default_factory=list, description="Hosts never to use (e.g. lost "
                                      "nodes, added by `orch resume --exclude`); removed from the hostfile "
                                      "before the filters and num_nodes/num_gpus apply.")

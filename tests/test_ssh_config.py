@@ -9,8 +9,13 @@ from pathlib import Path
 import pytest
 
 from orchestrator.errors import ProvisionError
+from orchestrator.hostfile import ResourcePool
 from orchestrator.provisioners.ssh import SSHProvisioner
 from orchestrator.spec import SSHOptions
+
+
+def _pool(*hosts: str) -> ResourcePool:
+    return ResourcePool(nodes=tuple((h, (0,)) for h in hosts))
 
 
 @pytest.fixture()
@@ -52,7 +57,7 @@ def test_check_lists_every_problem_before_anything_starts(tmp_path, key) -> None
     open_key.chmod(0o644)
     prov = SSHProvisioner(SSHOptions(identity_file=str(open_key), known_hosts=str(tmp_path / "none")))
     with pytest.raises(ProvisionError) as err:
-        prov.check(["localhost", "no-such-host.invalid"])
+        prov.check(_pool("localhost", "no-such-host.invalid"))
     msg = str(err.value)
     assert f"permissions 0644 of identity file {open_key} are too open" in msg
     assert f"known_hosts file {tmp_path / 'none'} does not exist" in msg
@@ -67,12 +72,12 @@ def test_bad_identity_files(tmp_path, content, needle) -> None:
         path.chmod(0o600)
     (tmp_path / "kh").write_text("")
     with pytest.raises(ProvisionError, match=needle):
-        SSHProvisioner(SSHOptions(identity_file=str(path), known_hosts=str(tmp_path / "kh"))).check(["localhost"])
+        SSHProvisioner(SSHOptions(identity_file=str(path), known_hosts=str(tmp_path / "kh"))).check(_pool("localhost"))
 
 
 def test_accept_new_needs_no_known_hosts_file(tmp_path, key) -> None:
     opts = SSHOptions(identity_file=str(key), known_hosts=str(tmp_path / "new"), host_key_policy="accept-new")
-    SSHProvisioner(opts).check(["localhost"])
+    SSHProvisioner(opts).check(_pool("localhost"))
     assert SSHProvisioner(opts).master_addr("localhost") == "127.0.0.1"
 
 

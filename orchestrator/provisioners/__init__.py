@@ -2,7 +2,8 @@
 
 ``get_provisioner(name)`` returns the provisioner a spec names. ``local`` (the embedded
 default) runs every node's agent as a subprocess of the controller on this machine;
-``ssh`` starts each node's agent over SSH (paramiko); ``ray`` comes in a later version.
+``ssh`` starts each node's agent over SSH (paramiko); ``ray`` places each node's agent as a
+Ray actor pinned to that node.
 """
 
 from __future__ import annotations
@@ -30,5 +31,9 @@ def get_provisioner(name: str, spec: "JobSpec | None" = None) -> Provisioner:
     if name == "ssh":
         from .ssh import SSHProvisioner
         return SSHProvisioner(spec.ssh if spec is not None else None, spec.python if spec is not None else None)
+    if name == "ray":
+        from ..spec import RayOptions
+        from .ray import RayProvisioner
+        return RayProvisioner(spec.ray if spec is not None else RayOptions(), spec.python if spec is not None else None)
     raise ProvisionError(f"provisioner '{name}' is not available in this version of orch; "
                          "use provisioner: local")

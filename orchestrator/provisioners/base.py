@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import collections
 import queue
 from abc import ABC, abstractmethod
 from typing import Any
 
+from ..hostfile import ResourcePool
 from ..plan import JobPlan, NodePlan
 
 __all__ = ["AgentHandle", "Provisioner"]
@@ -54,12 +56,16 @@ class Provisioner(ABC):
     name: str
     max_parallel: int = 64
 
-    def check(self, hosts: list[str]) -> None:
-        """Refuse, before anything starts, nodes that cannot be reached as configured.
+    def check(self, pool: ResourcePool) -> None:
+        """Refuse, before anything starts, nodes that cannot be reached (or placed) as configured.
 
         Raises:
             ProvisionError: naming every such host and why.
         """
+
+    def discover(self) -> "collections.OrderedDict[str, int] | None":
+        """The hosts and slots to use when the spec names no hostfile, or None (then: localhost)."""
+        return None
 
     def master_addr(self, host: str) -> str:
         """The address the ranks rendezvous at when ``host`` is node 0 (no ``master_addr`` set)."""

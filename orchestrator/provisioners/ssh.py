@@ -43,6 +43,7 @@ import paramiko
 from agents.link import MessageReader, MessageWriter
 
 from ..errors import ProvisionError
+from ..hostfile import ResourcePool
 from ..plan import JobPlan, NodePlan
 from ..spec import SSHOptions
 from .base import AgentHandle, Provisioner
@@ -280,14 +281,14 @@ class SSHProvisioner(Provisioner):
                          user=o.user or conf.get("user") or getpass.getuser(), identity_files=identity,
                          known_hosts=known, accept_new=o.host_key_policy == "accept-new", timeout=o.connect_timeout)
 
-    def check(self, hosts: list[str]) -> None:
+    def check(self, pool: ResourcePool) -> None:
         """Refuse bad keys, missing known_hosts and names that do not resolve, before anything starts.
 
         Raises:
             ProvisionError: listing every problem (per host where it is per host).
         """
         problems: list[str] = []
-        targets = [self.target(h) for h in hosts]
+        targets = [self.target(h) for h in pool.hosts]
         for path in sorted({f for t in targets for f in t.identity_files}):
             problems += _identity_problems(path)
         for path in sorted({t.known_hosts for t in targets if not t.accept_new}):

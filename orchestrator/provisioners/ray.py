@@ -1,0 +1,340 @@
+"""The ray provisioner: one agent actor per node of the plan, pinned to that node.
+
+The spec names the cluster (``ray.address``): ``local`` starts a Ray instance on this
+machine (the default), ``auto`` joins the one ``ray start`` made here (or ``$RAY_ADDRESS``),
+``host:port`` joins that GCS, and ``ray://host:port`` goes through Ray Client.
+
+**Hostfile hosts to Ray nodes.** A hostfile host is the Ray node whose address
+(``NodeManagerAddress``) equals the host, or equals what the host's name resolves to on
+this machine, or, failing both, whose hostname (``NodeManagerHostname``) is the host and
+belongs to that node only. A host with no alive node is an error naming it and the alive
+nodes; two hosts may not be the same node. **Without a hostfile** the pool is the
+cluster's alive nodes that can run work (their ``GPU`` count, else their ``CPU`` count, as
+slots), named by address in the order Ray lists them, and ``include``/``exclude``/
+``num_nodes``/``num_gpus`` apply to it exactly as to a hostfile.
+
+**Actors.** Each node gets an :class:`agents.ray_actor.AgentActor` scheduled with
+``NodeAffinitySchedulingStrategy(node_id, soft=False)`` and reserving the slots it uses
+(``num_gpus`` on GPU nodes, else ``num_cpus``), named ``orch/<attempt id>/<node rank>`` in
+the ``orch`` namespace. The actor runs the same ``python -m agents.agent`` process as the
+other provisioners and relays its message stream over Ray calls. Node loss is detected
+by orch's own heartbeats on that stream (0.5 s, lost after 3 s), not by Ray's health
+checks (a cut link takes Ray about a minute to notice). Every actor of the attempt is
+killed at its end, so the cluster is left clean.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import queue
+import socket
+import threading
+import time
+from typing import Any
+
+from agents.link import decode, encode
+from agents.ray_actor import EOF_LINE, make_actor_class
+
+from ..errors import ProvisionError
+from ..hostfile import ResourcePool
+from ..plan import JobPlan, NodePlan
+from .base import AgentHandle, Provisioner
+
+__all__ = ["RayProvisioner", "RayAgent", "connect", "match_node"]
+
+NAMESPACE = "orch"
+_CONNECT_LOCK = threading.Lock()
+_CONNECTED: dict[str, Any] = {}
+
+
+def connect(address: str, timeout: float = 30.0) -> Any:
+    """Connect this process to the Ray cluster at ``address`` once; return the ``ray`` module.
+
+    Raises:
+        ProvisionError: the address cannot be reached, or this process is already
+            connected to another cluster.
+    """
+    with _CONNECT_LOCK:
+        import ray
+        if ray.is_initialized():
+            if _CONNECTED.get("address") not in (None, address):
+                raise ProvisionError(f"this orch process is connected to the Ray cluster at "
+                                     f"{_CONNECTED['address']}; it cannot also use {address}")
+            return ray
+        target = _resolve_address(address)
+        if target not in ("local", None) and not target.startswith("ray://"):
+            _check_reachable(target, timeout)
+        kwargs: dict[str, Any] = {"namespace": NAMESPACE, "log_to_driver": False, "configure_logging": False}
+        if target == "local":
+            kwargs.update(include_dashboard=False, num_cpus=os.cpu_count())
+        else:
+            kwargs["address"] = target
+        try:
+            ray.init(**kwargs)
+        except Exception as err:  # ray raises ConnectionError, RuntimeError, ValueError...
+            raise ProvisionError(f"cannot connect to the Ray cluster at {address}: {err}") from err
+        _CONNECTED["address"] = address
+        return ray
+
+
+def _resolve_address(address: str) -> str | None:
+    if address != "auto":
+        return address
+    env = os.environ.get("RAY_ADDRESS")
+    if env:
+        return env
+    current = "/tmp/ray/ray_current_cluster"
+    try:
+        with open(current) as f:
+            return f.read().strip()
+    except OSError:
+        raise ProvisionError("ray.address is 'auto' but no Ray cluster was started on this machine (no "
+                             f"{current}) and $RAY_ADDRESS is unset; start one with `ray start --head`, or set "
+                             "ray.address") from None
+
+
+def _check_reachable(target: str, timeout: float) -> None:
+    host, _, port = target.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=min(timeout, 10.0)):
+            pass
+    except (OSError, ValueError) as err:
+        raise ProvisionError(f"cannot reach the Ray cluster at {target}: "
+                             f"{getattr(err, 'strerror', None) or err}") from err
+
+
+def _alive_nodes(ray: Any) -> list[dict[str, Any]]:
+    return [n for n in ray.nodes() if n.get("Alive")]
+
+
+def _slots_of(node: dict[str, Any]) -> int:
+    res = node.get("Resources", {})
+    return int(res.get("GPU", 0)) or int(res.get("CPU", 0))
+
+
+def match_node(host: str, nodes: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The Ray node (an entry of ``ray.nodes()``) a hostfile host stands for, or None.
+
+    By address (``NodeManagerAddress == host``), else by what ``host`` resolves to here,
+    else by hostname (``NodeManagerHostname == host``) when exactly one node has it.
+    """
+    by_ip = {n["NodeManagerAddress"]: n for n in nodes}
+    if host in by_ip:
+        return by_ip[host]
+    try:
+        ips = sorted({info[4][0] for info in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)})
+    except socket.gaierror:
+        ips = []
+    for ip in ips:
+        if ip in by_ip:
+            return by_ip[ip]
+    named = [n for n in nodes if n.get("NodeManagerHostname") == host]
+    return named[0] if len(named) == 1 else None
+
+
+class RayAgent(AgentHandle):
+    """The controller's side of one agent actor: a poller thread turns ``recv`` into events."""
+
+    def __init__(self, ray: Any, node: NodePlan, actor: Any, events: "queue.Queue[tuple[int, dict]]") -> None:
+        self.ray = ray
+        self.node_rank = node.node_rank
+        self.host = node.host
+        self.actor = actor
+        self._events = events
+        self._done = threading.Event()
+        threading.Thread(target=self._poll, name=f"agent-{node.node_rank}-poll", daemon=True).start()
+
+    def _poll(self) -> None:
+        while not self._done.is_set():
+            try:
+                lines = self.ray.get(self.actor.recv.remote(0.5))
+            except Exception:  # noqa: BLE001 - the actor (or its node) died: the link is gone
+                lines = [EOF_LINE]
+            for line in lines:
+                if line == EOF_LINE:
+                    self._done.set()
+                    self._events.put((self.node_rank, {"type": "eof"}))
+                    return
+                if line.strip():
+                    self._events.put((self.node_rank, decode(line)))
+
+    def send(self, msg: dict[str, Any]) -> bool:
+        if self._done.is_set():
+            return False
+        self.actor.send.remote(encode(msg))
+        return True
+
+    def close(self) -> None:
+        if not self._done.is_set():
+            self.actor.send.remote(EOF_LINE)
+
+    def _status(self, timeout: float = 2.0) -> dict[str, Any] | None:
+        try:
+            return self.ray.get(self.actor.status.remote(), timeout=timeout)
+        except Exception:  # noqa: BLE001 - dead actor or timeout
+            return None
+
+    def wait(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while True:
+            status = self._status(timeout=max(0.1, min(2.0, deadline - time.monotonic())))
+            if status is None or status["returncode"] is not None or self._done.is_set():
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
+
+    def kill(self) -> None:
+        try:
+            self.ray.get(self.actor.kill.remote(), timeout=5)
+        except Exception:  # noqa: BLE001
+            pass
+        self.ray.kill(self.actor, no_restart=True)
+
+    def diagnostics(self) -> str:
+        status = self._status()
+        if status is None:
+            return "the agent's actor is gone (its node may have died)"
+        text = status["stderr"]
+        if status["returncode"] is not None:
+            text += f"\n(the agent exited with status {status['returncode']})"
+        return text.strip()
+
+
+class RayProvisioner(Provisioner):
+    """Places agents as pinned Ray actors; see the module docstring.
+
+    Args:
+        options: the spec's ``ray`` section.
+        python: interpreter of the agents (the spec's ``python``; default: the Ray worker's).
+    """
+
+    name = "ray"
+
+    def __init__(self, options: Any, python: str | None = None) -> None:
+        self.options = options
+        self.python = python
+        self.max_parallel = 64
+        self._ray: Any = None
+        self._node_of: dict[str, dict[str, Any]] = {}
+        self._actors: dict[int, Any] = {}
+
+    @property
+    def ray(self) -> Any:
+        if self._ray is None:
+            self._ray = connect(self.options.address, self.options.connect_timeout)
+        return self._ray
+
+    # -- nodes --------------------------------------------------------------------------------
+
+    def discover(self) -> "collections.OrderedDict[str, int]":
+        """The pool of a job without a hostfile: ``{node address: slots}`` of the alive nodes that can
+        run work, in the order Ray lists them.
+
+        Raises:
+            ProvisionError: the cluster has no such node.
+        """
+        hosts = collections.OrderedDict()
+        for node in _alive_nodes(self.ray):
+            if _slots_of(node) > 0:
+                hosts[node["NodeManagerAddress"]] = _slots_of(node)
+        if not hosts:
+            raise ProvisionError(f"the Ray cluster at {self.options.address} has no alive node with CPUs or GPUs")
+        return hosts
+
+    def check(self, pool: ResourcePool) -> None:
+        """Map every host of the pool to an alive Ray node with enough CPUs/GPUs for its slots.
+
+        Raises:
+            ProvisionError: naming every host without a node, sharing a node, or short of slots.
+        """
+        nodes = _alive_nodes(self.ray)
+        problems, seen = [], {}
+        for host, slots in pool.nodes:
+            node = match_node(host, nodes)
+            if node is None:
+                alive = ", ".join(f"{n['NodeManagerAddress']} ({n.get('NodeManagerHostname')})" for n in nodes)
+                problems.append(f"host {host} has no alive Ray node (alive nodes: {alive or 'none'})")
+                continue
+            if node["NodeID"] in seen:
+                problems.append(f"hosts {seen[node['NodeID']]} and {host} are the same Ray node "
+                                f"{node['NodeManagerAddress']}")
+                continue
+            seen[node["NodeID"]] = host
+            kind = "GPU" if node.get("Resources", {}).get("GPU", 0) else "CPU"
+            have = int(node.get("Resources", {}).get(kind, 0))
+            if have < len(slots):
+                problems.append(f"host {host} (Ray node {node['NodeManagerAddress']}) has {have} {kind}s; "
+                                f"the plan needs {len(slots)} slot(s) there")
+            self._node_of[host] = node
+        if problems:
+            raise ProvisionError("Cannot place the job on the Ray cluster:\n  " + "\n  ".join(problems))
+
+    def master_addr(self, host: str) -> str:
+        node = self._node_of.get(host) or match_node(host, _alive_nodes(self.ray))
+        if node is None:
+            raise ProvisionError(f"host {host} has no alive Ray node")
+        return str(node["NodeManagerAddress"])
+
+    # -- agents -------------------------------------------------------------------------------
+
+    def start_agent(self, node: NodePlan, plan: JobPlan,
+                    events: "queue.Queue[tuple[int, dict]]") -> AgentHandle:
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+        ray = self.ray
+        info = self._node_of.get(node.host) or match_node(node.host, _alive_nodes(ray))
+        if info is None:
+            raise ProvisionError(f"host {node.host} has no alive Ray node")
+        gpu = bool(info.get("Resources", {}).get("GPU", 0))
+        actor_class = make_actor_class(ray)
+        log_dir = os.path.join(plan.run_dir, "agents")
+        os.makedirs(log_dir, exist_ok=True)
+        try:
+            actor = actor_class.options(
+                name=f"orch/{plan.attempt_id}/{node.node_rank}", namespace=NAMESPACE,
+                num_cpus=0 if gpu else len(node.slots), num_gpus=len(node.slots) if gpu else 0,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=info["NodeID"], soft=False),
+            ).remote(self.python, node.workdir,
+                     {"ORCH_AGENT_ATTEMPT_ID": plan.attempt_id, "ORCH_AGENT_NODE_RANK": str(node.node_rank)},
+                     os.path.join(log_dir, f"node-{node.node_rank}.log"))
+        except Exception as err:  # noqa: BLE001
+            raise ProvisionError(f"cannot place the agent actor on {node.host}: {err}") from err
+        self._actors[node.node_rank] = actor
+        return RayAgent(ray, node, actor, events)
+
+    def sweep(self, plan: JobPlan) -> list[int]:
+        """Kill what the attempt left on every live node (a task pinned there), then every actor."""
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+        ray = self.ray
+        killed: list[int] = []
+
+        def sweep_node(attempt_id: str) -> list[int]:
+            from agents.ranks import kill_marked
+            return kill_marked(attempt_id) + kill_marked(attempt_id, key="ORCH_AGENT_ATTEMPT_ID")
+
+        task = ray.remote(num_cpus=0, max_retries=0)(sweep_node)
+        refs = []
+        for node in plan.nodes:
+            info = self._node_of.get(node.host)
+            if info is None or node.node_rank not in self._actors:
+                continue
+            refs.append(task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
+                node_id=info["NodeID"], soft=False)).remote(plan.attempt_id))
+        for ref in refs:
+            try:
+                killed += ray.get(ref, timeout=15)
+            except Exception:  # noqa: BLE001 - a dead or cut node: its agent's lease stops it
+                ray.cancel(ref, force=True)
+        return killed
+
+    def forget(self, node_rank: int) -> None:
+        actor = self._actors.pop(node_rank, None)
+        if actor is not None:
+            self.ray.kill(actor, no_restart=True)
+
+    def close(self) -> None:
+        """Kill every actor of the attempt: nothing of the job stays on the cluster."""
+        for node_rank in list(self._actors):
+            self.forget(node_rank)
+
