@@ -151,12 +151,13 @@ def _pool(spec: JobSpec, provisioner: Provisioner) -> ResourcePool:
     if spec.hostfile or discovered:
         hosts = load_hostfile(spec.hostfile) if spec.hostfile else discovered
         source = spec.hostfile or f"<the {provisioner.name} cluster's nodes>"
-        unknown = [h for h in spec.exclude_hosts if h not in hosts]
+        # a host missing from a discovered pool is simply gone (a dead Ray node); from a hostfile, a typo
+        unknown = [h for h in spec.exclude_hosts if h not in hosts] if spec.hostfile else []
         if unknown:
             raise FilterError(f"exclude_hosts names {', '.join(unknown)}, not in {source} (its hosts: "
                               f"{', '.join(hosts)}).")
         for host in spec.exclude_hosts:  # orch's own exclusion (lost nodes): before DeepSpeed's filters
-            del hosts[host]
+            hosts.pop(host, None)
         if not hosts:
             raise FilterError(f"exclude_hosts leaves no host of {source}.")
     else:
