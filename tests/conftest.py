@@ -191,3 +191,92 @@ def make_net() -> Any:
             errors.append(str(err))
     if errors:
         raise AssertionError("; ".join(errors))
+
+
+# --------------------------------------------------------------------------- Ray test clusters
+# A real multi-node Ray cluster on namespace hosts (tests/raycluster.py): the head on the
+# bridge address, one worker node per host at the host's address. Needs what the namespace
+# hosts need plus ray in this environment; without it these fixtures FAIL with the reason.
+
+def start_ray_cluster(net: Any, **kw: Any) -> Any:
+    """A started ``raycluster.RayTestCluster`` on ``net``; the caller closes it (and ``net``)."""
+    import raycluster
+    try:
+        raycluster.check_prerequisites()
+    except raycluster.RayClusterError as err:
+        pytest.fail(f"cannot start a Ray test cluster: {err}", pytrace=False)
+    try:
+        return raycluster.RayTestCluster(net, **kw).start()
+    except raycluster.RayClusterError as err:
+        pytest.fail(f"cannot start a Ray test cluster on {net!r}: {err}", pytrace=False)
+
+
+def _ray_cluster_on_new_network(n_hosts: int, **kw: Any) -> Any:
+    """(cluster, net): a fresh network (not shared with the SSH tests' ``net3``/``net4``)."""
+    net = start_test_network(n_hosts)
+    try:
+        return start_ray_cluster(net, **kw), net
+    except BaseException:
+        net.close()
+        raise
+
+
+def _close_ray_cluster(cluster: Any, net: Any) -> None:
+    """Close both; raise if anything of the cluster is left (a leaked raylet fails the run)."""
+    errors = []
+    try:
+        cluster.close()
+    except Exception as err:  # noqa: BLE001
+        errors.append(str(err))
+    left = cluster.leftovers()
+    if left:
+        errors.append(f"Ray test cluster left {left}")
+    try:
+        net.close()
+    except Exception as err:  # noqa: BLE001
+        errors.append(str(err))
+    if errors:
+        raise AssertionError("; ".join(errors))
+
+
+@pytest.fixture(scope="module")
+def ray3() -> Any:
+    """A Ray cluster on 3 fresh namespace hosts (2 CPUs each; the head has none), shared by a
+    module's tests; ``ray3.net`` is its network. A test that kills a node or cuts a link should
+    call ``ray3.reset()`` when done (links up, dead nodes restarted)."""
+    cluster, net = _ray_cluster_on_new_network(3)
+    try:
+        yield cluster
+    finally:
+        _close_ray_cluster(cluster, net)
+
+
+@pytest.fixture(scope="module")
+def ray4() -> Any:
+    """A Ray cluster on 4 fresh namespace hosts, shared by a module's tests (see ``ray3``)."""
+    cluster, net = _ray_cluster_on_new_network(4)
+    try:
+        yield cluster
+    finally:
+        _close_ray_cluster(cluster, net)
+
+
+@pytest.fixture()
+def make_ray() -> Any:
+    """Factory for Ray clusters of this test only, each on a fresh network:
+    ``make_ray(2, env=RayTestCluster.FAST_FAILURE_DETECTION)``; all closed when the test ends."""
+    made: list[tuple[Any, Any]] = []
+
+    def make(n_hosts: int, **kw: Any) -> Any:
+        cluster, net = _ray_cluster_on_new_network(n_hosts, **kw)
+        made.append((cluster, net))
+        return cluster
+    yield make
+    errors = []
+    for cluster, net in reversed(made):
+        try:
+            _close_ray_cluster(cluster, net)
+        except AssertionError as err:
+            errors.append(str(err))
+    if errors:
+        raise AssertionError("; ".join(errors))
