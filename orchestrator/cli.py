@@ -234,9 +234,10 @@ def _cause_lines(detail: dict) -> list[str]:
     lines = []
     if cause.get("message"):
         lines.append(f"cause: {cause['message']}")
-    tail = cause.get("log_tail") or []
+    with_tail = cause if cause.get("log_tail") else (cause.get("first_symptom") or {})
+    tail = with_tail.get("log_tail") or []
     if tail:
-        lines.append(f"last lines of rank {cause.get('global_rank')}'s log:")
+        lines.append(f"last lines of rank {with_tail.get('global_rank')}'s log:")
         lines += [f"  | {ln}" for ln in tail[-10:]]
     return lines
 
@@ -374,6 +375,8 @@ def _follow_plain(controller: Any, job_id: str, run: Any, args: argparse.Namespa
                 last_print = time.monotonic()
             elif ev.kind == "warning":
                 say(f"warning: {ev.data.get('message')}", ev.at)
+            elif ev.kind == "cause_revised":
+                say(f"root cause of attempt {ev.attempt}: {(ev.data.get('cause') or {}).get('message')}", ev.at)
         d = job_detail(controller.store, job_id)
         steps = [(r["global_rank"], r["step"], r["loss"]) for r in d["ranks"]]
         reporting = any(s[1] is not None for s in steps)

@@ -231,6 +231,7 @@ class AttemptRun:
         self.done = threading.Event()
         self._rank_node = {r.global_rank: n for n, r in plan.ranks()}
         self._last_ping = 0.0
+        self._failed_at: float | None = None
         self._thread = threading.Thread(target=self._main, name=f"attempt-{plan.attempt_id}", daemon=True)
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -324,7 +325,7 @@ class AttemptRun:
             node_rank, msg = self.events.get(timeout=0.1)
         except queue.Empty:
             node_rank, msg = None, None
-        if msg is not None:
+        if msg is not None and msg.get("type") != "eof":
             self.last_heard[node_rank] = time.monotonic()
             handler = getattr(self, f"_on_{msg.get('type')}", self._on_unknown)
             handler(node_rank, msg)
@@ -443,6 +444,7 @@ class AttemptRun:
         if self.state.is_terminal():
             self.c.store.add_event(self.job_id, self.plan.attempt, "later_failure", cause)
             return
+        self._failed_at = time.monotonic()
         self._set(JobState.FAILED, cause)
 
     def cancel(self, reason: str = "cancelled by the user") -> None:
@@ -478,10 +480,18 @@ class AttemptRun:
                 if self.node_state[node_rank] not in _ENDED:
                     handle.send({"type": "stop", "reason": reason})
             deadline = time.monotonic() + self.plan.grace + 5.0
-            for handle in live.values():
+            for node_rank, handle in live.items():
                 while not handle.wait(0.1) and time.monotonic() < deadline:
                     self._drain()
+                    if node_rank in self._lost_while_stopping():
+                        break
             self._drain()
+            self._await_silent()
+            newly_lost = self._lost_while_stopping()
+            for node_rank in newly_lost:
+                self.provisioner.forget(node_rank)
+                live.pop(node_rank, None)
+            self._revise_cause(lost | newly_lost)
             for handle in live.values():
                 handle.close()
                 if not handle.wait(0.5):
@@ -498,6 +508,59 @@ class AttemptRun:
             self.c.store.set_owner(self.job_id, None)
             self.done.set()
 
+    def _lost_while_stopping(self) -> set[int]:
+        """Nodes that went silent (no message for the node timeout) or whose link closed
+        before they reported stopping: marks them ``lost`` and returns every lost node."""
+        now = time.monotonic()
+        for node_rank, heard in self.last_heard.items():
+            if self.node_state[node_rank] not in _ENDED and now - heard > self.c.node_timeout_s:
+                self.node_state[node_rank] = "lost"
+        return {n for n, state in self.node_state.items() if state in ("lost", "gone")}
+
+    def _await_silent(self) -> None:
+        """After a failure, give each node not heard from since (one heartbeat after) the
+        failure until the node timeout to speak; one that stays silent is lost. Costs nothing
+        when every node answered; at most the node timeout otherwise."""
+        if self._failed_at is None:
+            return
+        since = self._failed_at + self.c.heartbeat_s
+        while True:
+            self._drain()
+            now = time.monotonic()
+            silent = [n for n, state in self.node_state.items()
+                      if state not in _ENDED and n in self.last_heard and self.last_heard[n] <= since
+                      and now - self.last_heard[n] <= self.c.node_timeout_s]
+            if not silent:
+                return
+            time.sleep(0.05)
+
+    def _revise_cause(self, lost: set[int]) -> None:
+        """Name a lost node as the root cause when a rank of *another* node failed first.
+
+        A killed node takes its ranks' sockets with it: the surviving ranks' collectives
+        fail with a connection error at once, often before the node's silence reaches the
+        node timeout. The rank that exited first is then a symptom: the cause becomes
+        ``node_lost`` (the first lost node, by node rank) and keeps the rank's failure under
+        ``"first_symptom"``. A node counts only if it fell silent no later than one heartbeat
+        after the failure (a node lost later did not cause it).
+        """
+        cause = (self.c.store.get_job(self.job_id).cause or {})
+        if self.state != JobState.FAILED or cause.get("kind") != "rank_exit" or self._failed_at is None:
+            return
+        suspects = sorted(n for n in lost if n != cause.get("node_rank")
+                          and self.last_heard.get(n, 0.0) <= self._failed_at + self.c.heartbeat_s)
+        if not suspects:
+            return
+        node_rank = suspects[0]
+        silent = self._failed_at - self.last_heard.get(node_rank, self._failed_at)
+        revised = {"kind": "node_lost", "node": self._host(node_rank), "node_rank": node_rank,
+                   "nodes": [self._host(n) for n in suspects],
+                   "message": f"node lost: the agent on {self._host(node_rank)} (node {node_rank}) fell silent "
+                              f"and never answered again; {max(silent, 0.0):.1f} s later {cause.get('message')} "
+                              "(a consequence)",
+                   "first_symptom": cause}
+        self.c.store.revise_cause(self.job_id, self.plan.attempt, revised)
+
     def _drain(self) -> None:
         """Record what agents say while stopping (rank exits) without changing the state."""
         while True:
@@ -505,6 +568,8 @@ class AttemptRun:
                 node_rank, msg = self.events.get_nowait()
             except queue.Empty:
                 return
+            if msg.get("type") != "eof":  # a closed link is not a word from the agent
+                self.last_heard[node_rank] = time.monotonic()
             if msg.get("type") == "rank_exit":
                 self.exits[int(msg["global_rank"])] = int(msg["returncode"])
                 self.c.store.add_event(self.job_id, self.plan.attempt, "rank_exit",

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from .errors import NotFoundError
+from .errors import NotFoundError, StateError
 from .state import JobState, check_transition
 
 __all__ = ["Store", "JobRecord", "AttemptRecord", "EventRecord"]
@@ -283,6 +283,26 @@ class Store:
             self._event(db, job_id, ev_attempt or None, "state",
                         {"from": old.value, "to": new.value, "cause": cause, **(data or {})}, now)
         return self.get_job(job_id)
+
+    def revise_cause(self, job_id: str, number: int, cause: dict) -> None:
+        """Replace the recorded cause of a FAILED attempt (and of its job, while the attempt is
+        the job's current one) once teardown found the root cause; the first one stays in the
+        ``cause_revised`` event.
+
+        Raises:
+            StateError: the attempt has not ended.
+        """
+        now = self.clock()
+        with self._tx() as db:
+            row = db.execute("SELECT ended_at, cause FROM attempts WHERE job_id = ? AND number = ?",
+                             (job_id, number)).fetchone()
+            if row is None or row["ended_at"] is None:
+                raise StateError(f"job {job_id} attempt {number} has not ended; its cause cannot be revised")
+            db.execute("UPDATE attempts SET cause = ? WHERE job_id = ? AND number = ?",
+                       (_dump(cause), job_id, number))
+            db.execute("UPDATE jobs SET cause = ?, updated_at = ? WHERE id = ? AND attempt = ?",
+                       (_dump(cause), now, job_id, number))
+            self._event(db, job_id, number, "cause_revised", {"was": _load(row["cause"]), "cause": cause}, now)
 
     def update_spec(self, job_id: str, spec: dict) -> None:
         """Replace the job's spec (e.g. hosts excluded on resume); the old one stays in the events."""

@@ -89,6 +89,26 @@ def test_resume_clears_cause_and_starts_a_new_attempt(tmp_path) -> None:
     assert s.get_attempt("j-1", 2).resume_tag == "step_20"
 
 
+def test_revise_cause_only_of_an_ended_attempt_and_only_the_current_job_cause(tmp_path) -> None:
+    s = _store(tmp_path)
+    s.create_job("j-1", "j", {})
+    s.add_attempt("j-1", 1, {"nodes": []}, None)
+    s.set_state("j-1", JobState.PROVISIONING)
+    with pytest.raises(StateError, match="attempt 1 has not ended"):
+        s.revise_cause("j-1", 1, {"kind": "node_lost"})
+    first = {"kind": "rank_exit", "global_rank": 2}
+    s.set_state("j-1", JobState.FAILED, cause=first)
+    root = {"kind": "node_lost", "node": "b", "first_symptom": first}
+    s.revise_cause("j-1", 1, root)
+    assert s.get_job("j-1").cause == root and s.get_attempt("j-1", 1).cause == root
+    (ev,) = [e for e in s.events("j-1") if e.kind == "cause_revised"]
+    assert ev.attempt == 1 and ev.data == {"was": first, "cause": root}
+    s.set_state("j-1", JobState.PENDING)
+    s.add_attempt("j-1", 2, {"nodes": []}, None)
+    s.revise_cause("j-1", 1, {"kind": "node_lost", "node": "c"})  # an older attempt: the job's cause stays
+    assert s.get_job("j-1").cause is None and s.get_attempt("j-1", 1).cause["node"] == "c"
+
+
 def test_get_job_by_prefix(tmp_path) -> None:
     s = _store(tmp_path)
     s.create_job("alpha-111111", "alpha", {})

@@ -70,12 +70,26 @@ def connect(address: str, timeout: float = 30.0) -> Any:
             kwargs.update(include_dashboard=False, num_cpus=os.cpu_count())
         else:
             kwargs["address"] = target
+        before = dict(os.environ)
         try:
             ray.init(**kwargs)
         except Exception as err:  # ray raises ConnectionError, RuntimeError, ValueError...
             raise ProvisionError(f"cannot connect to the Ray cluster at {address}: {err}") from err
+        finally:
+            _restore_environ(before)
         _CONNECTED["address"] = address
         return ray
+
+
+def _restore_environ(before: dict[str, str]) -> None:
+    """Undo what ``ray.init`` wrote into ``os.environ`` (e.g. ``PYTHONBREAKPOINT``, set for the
+    driver's own ``breakpoint()``): the controller's environment is what ranks inherit under the
+    pdsh launcher's export rule, and it must stay the one the user started orch with."""
+    for key in [k for k in os.environ if k not in before]:
+        del os.environ[key]
+    for key, value in before.items():
+        if os.environ.get(key) != value:
+            os.environ[key] = value
 
 
 def _resolve_address(address: str) -> str | None:
