@@ -63,6 +63,13 @@ class Agent:
         self.exited: dict[int, int] = {}
         self._store = None
         self._exporter = None
+        self.metrics_port: int | None = None
+        from .metrics import NodeMetrics, ProgressReader
+        self.metrics = NodeMetrics(self.node.get("metrics_dir"), self.node["node_rank"],
+                                   prometheus=self.node.get("metrics_port") is not None)
+        self.progress = ProgressReader(self.metrics, [r["global_rank"] for r in self.node["ranks"]],
+                                       self.node.get("deepspeed_monitor_dir"))
+        self._progress_sent = 0.0
         self._signalled: int | None = None
         self._finished = threading.Event()
 
@@ -71,6 +78,7 @@ class Agent:
     def run(self) -> int:
         """Run the node to its end; return the agent's exit status (0: every rank exited 0)."""
         threading.Thread(target=self._heartbeats, name="heartbeats", daemon=True).start()
+        self.metrics.create()
         self._start_exporter()
         if not self._host_store():
             return 1
@@ -79,22 +87,41 @@ class Agent:
         return self._supervise()
 
     def _start_exporter(self) -> None:
+        """Serve ``/metrics`` (docs/metrics.md) on the plan's port, 0 meaning any free port; a
+        port in use is replaced by a free one and a warning. The port bound goes to the
+        controller in ``started`` (it writes the Prometheus targets)."""
         port = self.node.get("metrics_port")
-        if not port:
+        if port is None:
             return
-        from .exporter import NodeCollector, serve
+        from .metrics import NodeCollector, serve
         job, _, attempt = self.attempt_id.rpartition(".")
-        collector = NodeCollector(job, int(attempt), self.node["host"], self._rank_codes)
+        collector = NodeCollector(job, int(attempt), self.node["host"], self._rank_codes, self.metrics,
+                                  self.progress, restarts=int(attempt) - 1)
         try:
-            self._exporter = serve(int(port), collector)
+            self._exporter, self.metrics_port, why = serve(int(port), collector)
         except OSError as err:  # metrics must not stop training: say so and go on
-            self.writer.send({"type": "warning", "message": f"metrics port {port} on {self.node['host']} "
-                              f"cannot be used ({err.strerror or err}); this node exports no metrics"})
+            self.writer.send({"type": "warning", "message": f"the metrics exporter on {self.node['host']} cannot "
+                              f"listen ({err.strerror or err}); this node exports no metrics"})
+            return
+        if why:
+            self.writer.send({"type": "warning", "message": f"metrics port {port} on {self.node['host']} cannot be "
+                              f"used ({why}); the node's metrics are on port {self.metrics_port} instead"})
 
-    def _rank_codes(self) -> dict[int, int | None]:
-        started = {p.global_rank: None for p in self.ranks}
-        started.update(self.exited)
-        return started
+    def _rank_codes(self) -> dict[int, tuple[int, int | None]]:
+        return {p.global_rank: (p.pid, self.exited.get(p.global_rank)) for p in self.ranks}
+
+    def _send_progress(self, force: bool = False) -> None:
+        """Forward the ranks' new reported steps (at most 10 per rank), at most once a second
+        (and at the end)."""
+        now = time.monotonic()
+        if not force and now - self._progress_sent < 1.0:
+            return
+        self._progress_sent = now
+        self.progress.poll()
+        changes = self.progress.changes()
+        if changes:
+            self.writer.send({"type": "progress", "points": {str(k): v for k, v in changes.items()},
+                              "totals": {str(k): self.progress.totals.get(k, {}) for k in changes}})
 
     def _host_store(self) -> bool:
         store = self.node.get("agent_store")
@@ -123,6 +150,7 @@ class Agent:
             for key, value in self.node.get("env_defaults", {}).items():
                 env.setdefault(key, value)  # what the real launcher sets only where unset
             env.update(r["env"])
+            env.update(self.metrics.rank_env(r["global_rank"]))
             proc = RankProcess(r["global_rank"], r["argv"], env, self.node["workdir"],
                                os.path.join(log_dir, f"rank-{r['global_rank']}.log"))
             try:
@@ -133,7 +161,7 @@ class Agent:
                 self._stop("spawn failed")
                 return False
             self.ranks.append(proc)
-        self.writer.send({"type": "started",
+        self.writer.send({"type": "started", "metrics_port": self.metrics_port,
                           "ranks": [{"global_rank": p.global_rank, "pid": p.pid} for p in self.ranks]})
         return True
 
@@ -161,6 +189,7 @@ class Agent:
             if now - last_heard > self.lease_s:
                 return self._stop_on_own(f"no word from the controller for {self.lease_s:.0f} s")
             self._reap()
+            self._send_progress(force=len(self.exited) == len(self.ranks))
             if len(self.exited) == len(self.ranks):
                 self.writer.send({"type": "done", "exits": {str(k): v for k, v in self.exited.items()}})
                 self._cleanup()
@@ -180,6 +209,7 @@ class Agent:
             if code is None:
                 continue
             self.exited[proc.global_rank] = code
+            self.metrics.rank_exited(proc.pid)
             self.writer.send({"type": "rank_exit", "global_rank": proc.global_rank, "returncode": code,
                               "how": describe_returncode(code), "at": time.time()})
 
@@ -191,6 +221,8 @@ class Agent:
     def _stop(self, reason: str, report: bool = True) -> int:
         stop_all(self.ranks, self.grace)
         self._reap()
+        if report:
+            self._send_progress(force=True)
         self._cleanup()
         if report:
             self.writer.send({"type": "stopped", "reason": reason,
@@ -207,6 +239,11 @@ class Agent:
         self._finished.set()
         if self._exporter is not None:
             self._exporter.shutdown()
+            self._exporter.server_close()
+        monitor = self.node.get("deepspeed_monitor_dir")
+        base = self.node.get("metrics_dir")
+        # DeepSpeed's monitor output is removed only where orch put it (a user's own csv_monitor stays)
+        self.metrics.remove(monitor if monitor and base and monitor.startswith(base + os.sep) else None)
 
     def on_signal(self, signum: int, _frame: Any) -> None:
         """SIGTERM/SIGINT: stop the ranks at the next turn of the loop."""

@@ -63,6 +63,11 @@ if __name__ == "__main__":
 
 import warnings
 
+try:  # orch's one-call metrics helper (docs/metrics.md); the script also runs without orch installed
+    from agents import report as orch_report
+except ImportError:
+    orch_report = None
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -102,6 +107,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--fail-rank", type=int, default=0, help="the global rank that fails with --fail-at-step")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--log-interval", type=int, default=10, help="human summary on rank 0 every N steps")
+    p.add_argument("--no-report", action="store_true", help="do not report steps to orch's metrics "
+                   "(agents.report); the [train] log lines stay")
     p.add_argument("--eval-interval", type=int, default=0,
                    help="evaluate on held-out text every N steps (0: only at the end if --eval-batches)")
     p.add_argument("--eval-batches", type=int, default=0, help="held-out micro batches per evaluation")
@@ -435,6 +442,8 @@ def main(argv=None) -> int:
         lr = engine.get_lr()[0]
         out(f"[train] step={step} rank={global_rank} loss={loss_val!r} lr={lr!r} "
             f"samples_per_s={micro * gas / dt:.3f} tokens_per_s={tokens_per_step / dt:.1f} step_s={dt:.6f}")
+        if orch_report is not None and not args.no_report:
+            orch_report.step(step, loss=loss_val, samples=micro * gas, tokens=tokens_per_step, lr=lr, step_seconds=dt)
         window_loss += loss_val
         window_n += 1
         if args.log_interval > 0 and (step % args.log_interval == 0 or step == last):

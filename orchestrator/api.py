@@ -13,14 +13,22 @@ Routes (JSON in and out; errors are ``{"error": message, "kind": ErrorClass}`` w
 * ``GET  /api/jobs/{id}/events?since=N``     its history
 * ``GET  /api/jobs/{id}/plan?attempt=K``     an attempt's plan
 * ``GET  /api/jobs/{id}/logs?rank=R&attempt=K&offset=B``  a rank's log from byte B
+* ``GET  /api/jobs/{id}/progress?attempt=K&since=ID``  reported steps (id, rank, step, at, loss,
+  lr, samples_per_second, tokens_per_second, step_seconds), oldest first, after point ``since``
+* ``GET  /metrics``                          the controller's Prometheus metrics (docs/metrics.md)
+* ``GET  /``                                 the live web dashboard (orchestrator/web/index.html)
+* ``GET  /static/{file}``                    its script and style sheet (orchestrator/web/)
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import FileResponse, JSONResponse, Response
+from fastapi.staticfiles import StaticFiles
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from . import __version__
 from .controller import Controller
@@ -28,7 +36,9 @@ from .errors import NotFoundError, OrchError, StateError
 from .spec import spec_from_dict
 from .views import job_detail, job_summary, read_log
 
-__all__ = ["create_app"]
+__all__ = ["WEB_DIR", "create_app"]
+
+WEB_DIR = Path(__file__).resolve().parent / "web"
 
 
 def create_app(controller: Controller) -> FastAPI:
@@ -95,5 +105,25 @@ def create_app(controller: Controller) -> FastAPI:
     def logs(job_id: str, rank: int = 0, attempt: int | None = None, offset: int = 0,
              limit: int = 1 << 20) -> dict[str, Any]:
         return read_log(store, job_id, rank, attempt, offset, limit)
+
+    @app.get("/api/jobs/{job_id}/progress")
+    def progress(job_id: str, attempt: int | None = None, since: int = 0, limit: int = 20_000) -> dict[str, Any]:
+        job = store.get_job(job_id)
+        number = attempt or job.attempt
+        store.get_attempt(job.id, number)  # NotFoundError for an unknown attempt
+        points = store.progress(job.id, number, since, limit)
+        return {"job": job.id, "attempt": number, "points": points,
+                "last_id": points[-1]["id"] if points else since}
+
+    @app.get("/metrics")
+    def metrics() -> Response:
+        return Response(generate_latest(controller.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)
+    def dashboard() -> FileResponse:
+        return FileResponse(WEB_DIR / "index.html", media_type="text/html; charset=utf-8",
+                            headers={"Cache-Control": "no-cache"})
+
+    app.mount("/static", StaticFiles(directory=WEB_DIR), name="static")
 
     return app

@@ -203,12 +203,12 @@ def _ago(t: float | None) -> str:
 
 
 def _fmt_loss(v: Any) -> str:
-    return "-" if v is None else f"{v:.4f}"
+    return "-" if v is None else v if isinstance(v, str) else f"{v:.4f}"
 
 
 def _ranks_table(detail: dict) -> Table:
     t = Table(box=None, pad_edge=False)
-    for col in ("rank", "node", "local", "pid", "state", "exit", "step", "loss", "last output"):
+    for col in ("rank", "node", "local", "pid", "state", "exit", "step", "loss", "tokens/s", "last output"):
         t.add_column(col, overflow="ellipsis", no_wrap=col in ("last output", "state", "exit"),
                      max_width=60 if col == "last output" else None)
     for r in detail.get("ranks", []):
@@ -216,6 +216,7 @@ def _ranks_table(detail: dict) -> Table:
         t.add_row(str(r["global_rank"]), f"{r['host']} ({r['node_rank']})", str(r["local_rank"]),
                   str(r["pid"] or "-"), _styled(r["state"]), exit_,
                   str(r["step"] if r["step"] is not None else "-"), _fmt_loss(r["loss"]),
+                  f"{r['tokens_per_second']:.0f}" if r.get("tokens_per_second") is not None else "-",
                   Text((r.get("last_line") or "")[:200]))
     return t
 
@@ -571,6 +572,15 @@ def _quiet_server_class() -> type:
     return QuietServer
 
 
+def _url_host(host: str) -> str:
+    """The address to reach a server listening on ``host`` (a wildcard: this machine's loopback)."""
+    if host in ("0.0.0.0", ""):
+        return "127.0.0.1"
+    if host == "::":
+        return "[::1]"
+    return f"[{host}]" if ":" in host else host
+
+
 def cmd_server(args: argparse.Namespace) -> int:
     import socket
 
@@ -593,7 +603,14 @@ def cmd_server(args: argparse.Namespace) -> int:
         raise UsageError(f"Cannot listen on {args.host}:{args.port}: {err.strerror or err}; choose another "
                          "--port or --host.") from err
     url = f"http://{args.host}:{args.port}"
-    controller = Controller(state_dir, owner_url=url, recover_every_s=5.0)
+    controller = Controller(state_dir, owner_url=url, recover_every_s=5.0,
+                            prometheus_targets=args.prometheus_targets)
+    try:
+        controller.targets.write("controller", [{"targets": [f"{_url_host(args.host)}:{args.port}"],
+                                                 "labels": {"orch_role": "controller"}}])
+    except OSError as err:
+        _err.print(f"warning: cannot write the Prometheus targets of this server into "
+                   f"{controller.targets.directory}: {err.strerror or err}", markup=False, highlight=False)
     for job_id in controller.recover():
         _err.print(f"job {job_id}: its controller had gone away; marked FAILED (resume it with orch resume)",
                    markup=False, highlight=False)
@@ -606,6 +623,7 @@ def cmd_server(args: argparse.Namespace) -> int:
     finally:
         _err.print("orch server stopping: cancelling the jobs it runs...")
         controller.close(cancel=True, reason="cancelled: orch server was stopped")
+        controller.targets.remove("controller")
         try:
             if json.loads(_server_file(state_dir).read_text()).get("pid") == os.getpid():
                 _server_file(state_dir).unlink()
@@ -678,9 +696,13 @@ def _parser() -> argparse.ArgumentParser:
     sp = add("run", cmd_run, "Run a job in the foreground with live progress; exit 0 only if it succeeds. "
              "Ctrl-C cancels it.")
     sp.add_argument("spec", help="job spec (YAML)")
-    sp = add("server", cmd_server, "Run the controller as a service with an HTTP API.")
+    sp = add("server", cmd_server, "Run the controller as a service: the HTTP API, the web dashboard (/) and "
+             "the controller's Prometheus metrics (/metrics).")
     sp.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     sp.add_argument("--port", type=_port, default=DEFAULT_PORT, help=f"port to listen on (default {DEFAULT_PORT})")
+    sp.add_argument("--prometheus-targets", metavar="DIR", default=None,
+                    help="directory for the Prometheus file_sd files of running attempts and of this server "
+                         "(default $ORCH_PROMETHEUS_TARGETS or <state dir>/prometheus/targets; see docs/metrics.md)")
     sp = add("submit", cmd_submit, "Submit a job to the running orch server and return at once.")
     sp.add_argument("spec", help="job spec (YAML)")
     add("list", cmd_list, "List jobs, newest first.")

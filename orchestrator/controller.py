@@ -36,11 +36,12 @@ from typing import Any, Callable
 import psutil
 
 from .checkpoints import latest_complete
-from .errors import FilterError, HostfileError, OrchError, PlanError, ProvisionError, StateError
+from .errors import FilterError, HostfileError, OrchError, ProvisionError, StateError
 from .hostfile import ResourcePool, load_hostfile, resolve_pool
 from .launchers.deepspeed import ACCELERATOR_EXPORT_PREFIXES, deepspeed_env_files
+from .metrics import ControllerMetrics, TargetsWriter, attempt_targets, default_targets_dir
 from .plan import JobPlan, PlanInputs, make_plan
-from .ports import PortLease, default_lock_dir, port_is_free, reserve_port
+from .ports import PortLease, default_lock_dir, reserve_port
 from .provisioners import AgentHandle, Provisioner, get_provisioner
 from .spec import JobSpec, load_deepspeed_config, spec_from_dict
 from .state import JobState
@@ -129,7 +130,6 @@ def prepare_plan(spec: JobSpec, state_dir: str | Path, job_id: str, *, attempt: 
             deepspeed_env_lines=_deepspeed_env_lines(spec.workdir),
             deepspeed_config=load_deepspeed_config(spec), accelerator_exports=_accelerator_exports())
         plan = make_plan(spec, pool, inputs)
-        _check_metrics_ports(plan)
         return plan, lease
     except BaseException:
         lease.release()
@@ -177,16 +177,6 @@ def _pool(spec: JobSpec, provisioner: Provisioner) -> ResourcePool:
     return pool
 
 
-def _check_metrics_ports(plan: JobPlan) -> None:
-    """Local agents serve metrics on this machine: their ports must be free now."""
-    if plan.provisioner != "local":
-        return
-    for node in plan.nodes:
-        if node.metrics_port and not port_is_free(node.metrics_port, "0.0.0.0"):
-            raise PlanError(f"metrics port {node.metrics_port} (node {node.node_rank}, {node.host}) is in use on "
-                            "this machine; choose another metrics_port or leave it unset.")
-
-
 def rank_log_tail(plan: dict, global_rank: int, lines: int = 20) -> list[str]:
     """The last ``lines`` lines of a rank's log file (empty if it has none yet)."""
     path = Path(plan["nodes"][0]["log_dir"]) / f"rank-{global_rank}.log"
@@ -232,6 +222,8 @@ class AttemptRun:
         self._rank_node = {r.global_rank: n for n, r in plan.ranks()}
         self._last_ping = 0.0
         self._failed_at: float | None = None
+        self.metrics_ports: dict[int, int | None] = {}
+        self._targets_written = False
         self._thread = threading.Thread(target=self._main, name=f"attempt-{plan.attempt_id}", daemon=True)
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -353,11 +345,45 @@ class AttemptRun:
 
     def _on_started(self, node_rank: int, msg: dict) -> None:
         self.node_state[node_rank] = "running"
+        self.metrics_ports[node_rank] = msg.get("metrics_port")
         self.c.store.add_event(self.job_id, self.plan.attempt, "ranks_started",
-                               {"node_rank": node_rank, "host": self._host(node_rank), "ranks": msg.get("ranks", [])})
+                               {"node_rank": node_rank, "host": self._host(node_rank), "ranks": msg.get("ranks", []),
+                                "metrics_port": msg.get("metrics_port")})
         if self.state == JobState.PROVISIONING and all(
                 s in ("running", "done") for s in self.node_state.values()):
             self._set(JobState.RUNNING)
+            attempt = self.c.store.get_attempt(self.job_id, self.plan.attempt)
+            self.c.metrics.running((attempt.running_at or 0) - attempt.created_at)
+            self._write_targets()
+
+    def _write_targets(self) -> None:
+        """The attempt's Prometheus file_sd file: every node's exporter (see orchestrator.metrics)."""
+        nodes = []
+        for node in self.plan.nodes:
+            port = self.metrics_ports.get(node.node_rank)
+            if port:
+                try:
+                    addr = self.provisioner.master_addr(node.host)
+                except OrchError:
+                    addr = node.host
+                nodes.append((node.host, addr, int(port)))
+        if not nodes:
+            return
+        try:
+            path = self.c.targets.write(self.plan.attempt_id, attempt_targets(self.job_id, self.plan.attempt, nodes))
+            self._targets_written = True
+            self.c.store.add_event(self.job_id, self.plan.attempt, "metrics_targets",
+                                   {"path": str(path), "targets": [f"{a}:{p}" for _, a, p in nodes]})
+        except OSError as err:
+            self.c.store.add_event(self.job_id, self.plan.attempt, "warning",
+                                   {"message": f"cannot write the Prometheus targets file in {self.c.targets.directory}: "
+                                               f"{err.strerror or err}"})
+
+    def _on_progress(self, node_rank: int, msg: dict) -> None:
+        rows = [(int(rank), p) for rank, points in (msg.get("points") or {}).items() if isinstance(points, list)
+                for p in points if isinstance(p, dict) and "step" in p]
+        if rows:
+            self.c.store.add_progress(self.job_id, self.plan.attempt, rows)
 
     def _on_rank_exit(self, node_rank: int, msg: dict) -> None:
         rank, code = int(msg["global_rank"]), int(msg["returncode"])
@@ -369,6 +395,8 @@ class AttemptRun:
         if code != 0 and not self.state.is_terminal():
             node = self._rank_node[rank]
             local = next(r.local_rank for r in node.ranks if r.global_rank == rank)
+            if isinstance(msg.get("at"), (int, float)):
+                self.c.metrics.failure_detected("rank_exit", time.time() - msg["at"])
             self._fail({"kind": "rank_exit", "global_rank": rank, "local_rank": local, "node": node.host,
                         "node_rank": node.node_rank, "returncode": code,
                         "message": f"rank {rank} (local rank {local}) on {node.host} (node {node.node_rank}) "
@@ -402,6 +430,8 @@ class AttemptRun:
     def _on_eof(self, node_rank: int, msg: dict) -> None:
         if self.node_state.get(node_rank) not in ("done", "stopped", "lost"):
             self.node_state[node_rank] = "gone"
+            if not self.state.is_terminal():
+                self.c.metrics.failure_detected("node_lost", 0.0)  # the link closing is the news
             self._fail({"kind": "node_lost", "node": self._host(node_rank), "node_rank": node_rank,
                         "message": f"node lost: the agent on {self._host(node_rank)} (node {node_rank}) "
                                    "went away (its link closed)"})
@@ -426,6 +456,7 @@ class AttemptRun:
                 continue
             if now - heard > self.c.node_timeout_s:
                 self.node_state[node_rank] = "lost"  # unreachable: teardown will not wait for it
+                self.c.metrics.failure_detected("node_lost", now - heard)
                 self._fail({"kind": "node_lost", "node": self._host(node_rank), "node_rank": node_rank,
                             "message": f"node lost: no heartbeat from the agent on {self._host(node_rank)} "
                                        f"(node {node_rank}) for {now - heard:.1f} s"})
@@ -503,6 +534,8 @@ class AttemptRun:
         except Exception:  # noqa: BLE001 - teardown must finish
             self._log(traceback.format_exc())
         finally:
+            if self._targets_written:
+                self.c.targets.remove(self.plan.attempt_id)
             self.lease.release()
             self.c.store.mark_stopped(self.job_id, self.plan.attempt)
             self.c.store.set_owner(self.job_id, None)
@@ -578,6 +611,8 @@ class AttemptRun:
                                         "how": msg.get("how"), "during_teardown": True})
             elif msg.get("type") in ("stopped", "done"):
                 self.node_state[node_rank] = msg["type"]
+            elif msg.get("type") == "progress":
+                self._on_progress(node_rank, msg)
             elif msg.get("type") == "eof" and self.node_state.get(node_rank) not in ("done", "stopped", "lost"):
                 self.node_state[node_rank] = "gone"
 
@@ -606,13 +641,15 @@ class Controller:
         owner_url: the API URL of this controller, recorded as the owner of its jobs.
         recover_every_s: if > 0, look for orphaned jobs (see :func:`recover_orphans`) this often;
             ``orch server`` does, so a killed ``orch run`` is noticed.
+        prometheus_targets: directory of the Prometheus file_sd files of running attempts
+            (default ``$ORCH_PROMETHEUS_TARGETS`` or ``<state dir>/prometheus/targets``).
     """
 
     def __init__(self, state_dir: str | Path | None = None, *, clock: Callable[[], float] = time.time,
                  provisioner_factory: Callable[[str, JobSpec], Provisioner] = get_provisioner,
                  heartbeat_s: float | None = None, node_timeout_s: float | None = None,
                  agent_lease_s: float | None = None, owner_url: str | None = None,
-                 recover_every_s: float = 0.0) -> None:
+                 recover_every_s: float = 0.0, prometheus_targets: str | Path | None = None) -> None:
         self.state_dir = Path(state_dir or default_state_dir()).expanduser().resolve()
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.store = Store(self.state_dir / "orch.db", clock)
@@ -625,6 +662,9 @@ class Controller:
         self.owner = {"pid": proc.pid, "host": socket.gethostname(), "create_time": proc.create_time(),
                       "url": owner_url}
         self.recover_every_s = recover_every_s
+        self.metrics = ControllerMetrics(self.store)
+        self.targets = TargetsWriter(Path(prometheus_targets).expanduser() if prometheus_targets
+                                     else default_targets_dir(self.state_dir))
         self._runs: dict[str, AttemptRun] = {}
         self._lock = threading.Lock()
         self._closed = threading.Event()
@@ -774,6 +814,7 @@ class Controller:
         with open(os.path.join(plan.run_dir, "plan.json"), "w") as f:
             json.dump(plan.to_dict(), f, indent=2)
         self.store.add_attempt(plan.job_id, plan.attempt, plan.to_dict(), plan.resume_tag)
+        self.metrics.attempt_started(plan.attempt)
         run = AttemptRun(self, spec, plan, lease, provisioner)
         with self._lock:
             self._runs[plan.job_id] = run

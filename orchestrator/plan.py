@@ -48,6 +48,8 @@ class PlanInputs:
         deepspeed_config: the DeepSpeed config, resolved.
         accelerator_exports: the accelerator's ``export_envs()`` prefixes (``("NCCL",)`` for
             CUDA, none for CPU), exported under pdsh.
+        node_metrics_dir: a node-local directory under which each agent keeps its attempt's
+            metrics files (``<dir>/<attempt id>/node-<n>``; see agents/metrics.py).
     """
 
     job_id: str
@@ -63,6 +65,7 @@ class PlanInputs:
     deepspeed_env_lines: tuple[str, ...] = ()
     deepspeed_config: Mapping[str, Any] = field(default_factory=dict)
     accelerator_exports: tuple[str, ...] = ()
+    node_metrics_dir: str = "/tmp/orch-metrics"
 
     @property
     def attempt_id(self) -> str:
@@ -113,7 +116,11 @@ class NodePlan:
         agent_store: ``{"addr", "port"}`` of a c10d store the agent hosts, or None.
         env_defaults: variables set on its ranks only where the node's environment lacks
             them (``launcher.env_defaults``), applied by the agent before ``env``.
-        metrics_port: port of the agent's Prometheus exporter on its host, or None.
+        metrics_port: port of the agent's Prometheus exporter on its host; 0: any free
+            port; None: no exporter.
+        metrics_dir: node-local directory of the attempt's metrics files, or None.
+        deepspeed_monitor_dir: where DeepSpeed's CSV monitor writes rank 0's files (on the
+            node of global rank 0, when orch manages the DeepSpeed config), or None.
     """
 
     node_rank: int
@@ -125,13 +132,16 @@ class NodePlan:
     agent_store: Mapping[str, Any] | None = None
     env_defaults: Mapping[str, str] = field(default_factory=dict)
     metrics_port: int | None = None
+    metrics_dir: str | None = None
+    deepspeed_monitor_dir: str | None = None
 
     def to_dict(self) -> dict:
         """JSON-able form (what the agent receives in its ``start`` message)."""
         return {"node_rank": self.node_rank, "host": self.host, "slots": list(self.slots),
                 "ranks": [r.to_dict() for r in self.ranks], "workdir": self.workdir,
                 "log_dir": self.log_dir, "agent_store": dict(self.agent_store) if self.agent_store else None,
-                "env_defaults": dict(self.env_defaults), "metrics_port": self.metrics_port}
+                "env_defaults": dict(self.env_defaults), "metrics_port": self.metrics_port,
+                "metrics_dir": self.metrics_dir, "deepspeed_monitor_dir": self.deepspeed_monitor_dir}
 
 
 @dataclass(frozen=True)
@@ -236,6 +246,8 @@ def _metrics_port(spec: JobSpec, pool: ResourcePool, node_rank: int) -> int | No
     machine (local agents all share this machine; other provisioners' hosts are their own)."""
     if spec.metrics_port is None:
         return None
+    if spec.metrics_port == "auto":
+        return 0
     if spec.provisioner == "local":
         port = spec.metrics_port + node_rank
     else:
@@ -245,6 +257,24 @@ def _metrics_port(spec: JobSpec, pool: ResourcePool, node_rank: int) -> int | No
         raise PlanError(f"metrics_port {spec.metrics_port} leaves no port for node {node_rank} (it would need "
                         f"{port}); choose a metrics_port of at most {65535 - node_rank}.")
     return port
+
+
+def _with_monitor(config: Mapping[str, Any], metrics_dir: str) -> tuple[dict, str | None]:
+    """The DeepSpeed config with DeepSpeed's CSV monitor on (rank 0 writes one CSV per event,
+    ``deepspeed.monitor.csv_monitor``), and where its files land. A config that sets
+    ``csv_monitor`` itself is kept as it is (read where it writes, if enabled); no config
+    (the script brings its own): nothing."""
+    config = dict(config)
+    if not config:
+        return config, None
+    user = config.get("csv_monitor")
+    if user is None:
+        config["csv_monitor"] = {"enabled": True, "output_path": os.path.join(metrics_dir, "deepspeed"),
+                                 "job_name": "rank0"}
+        return config, os.path.join(metrics_dir, "deepspeed", "rank0")
+    if isinstance(user, Mapping) and user.get("enabled") and user.get("output_path"):
+        return config, os.path.join(str(user["output_path"]), str(user.get("job_name") or "DeepSpeedJobName"))
+    return config, None
 
 
 def make_plan(spec: JobSpec, pool: ResourcePool, inputs: PlanInputs) -> JobPlan:
@@ -282,6 +312,8 @@ def make_plan(spec: JobSpec, pool: ResourcePool, inputs: PlanInputs) -> JobPlan:
         restart_count=inputs.attempt - 1, hostfile=spec.hostfile, include=spec.include,
         exclude=spec.exclude, num_nodes=spec.num_nodes, num_gpus=spec.num_gpus)
     log_dir = os.path.join(inputs.run_dir, "logs")
+    metrics_dir = os.path.join(inputs.node_metrics_dir, inputs.attempt_id)
+    ds_config, monitor_dir = _with_monitor(inputs.deepspeed_config, metrics_dir)
     nodes = []
     for node_rank, (host, slots) in enumerate(pool.nodes):
         extra = orch_env(spec, inputs, node_rank, host)
@@ -292,13 +324,14 @@ def make_plan(spec: JobSpec, pool: ResourcePool, inputs: PlanInputs) -> JobPlan:
         defaults = {k: v for k, v in launcher.env_defaults(ctx, node_rank).items() if k not in spec.env}
         nodes.append(NodePlan(node_rank, host, tuple(slots), ranks, spec.workdir, log_dir,
                               {"addr": store[0], "port": store[1]} if store else None, defaults,
-                              _metrics_port(spec, pool, node_rank)))
+                              _metrics_port(spec, pool, node_rank), metrics_dir,
+                              monitor_dir if any(r.global_rank == 0 for r in ranks) else None))
     shown = replace(ctx, exports={**exports, **spec.env})  # what the real tool would export
     return JobPlan(
         job_id=inputs.job_id, job_name=spec.name, attempt=inputs.attempt, launcher=launcher.name,
         provisioner=spec.provisioner, master_addr=ctx.master_addr, master_port=ctx.master_port,
         world_size=ctx.world_size, nodes=tuple(nodes), real_commands=tuple(launcher.real_commands(shown)),
         exports={**exports, **spec.env}, run_dir=inputs.run_dir, checkpoint_dir=inputs.checkpoint_dir,
-        resume_tag=inputs.resume_tag, deepspeed_config=dict(inputs.deepspeed_config),
+        resume_tag=inputs.resume_tag, deepspeed_config=ds_config,
         deepspeed_config_path=inputs.deepspeed_config_path, grace=spec.stop_grace_seconds,
         warnings=tuple(pool.warnings) + tuple(launcher.warnings(shown)))

@@ -14,7 +14,7 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import Any, Literal, Mapping
+from typing import Annotated, Any, Literal, Mapping
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -112,7 +112,7 @@ class JobSpec(BaseModel):
     deepspeed_config: str | dict[str, Any] | None = None
     deepspeed_args: bool = False
     checkpoint_dir: str | None = None
-    metrics_port: int | None = Field(None, ge=1, le=65535)
+    metrics_port: Annotated[int, Field(ge=1, le=65535)] | Literal["auto"] | None = "auto"
     stop_grace_seconds: float = Field(10.0, gt=0, le=3600)
     ssh: SSHOptions = Field(default_factory=SSHOptions)
     ray: RayOptions = Field(default_factory=RayOptions)

@@ -12,6 +12,7 @@ Times are wall-clock seconds since the epoch (``float``), from an injectable clo
 from __future__ import annotations
 
 import json
+import math
 import sqlite3
 import threading
 import time
@@ -59,6 +60,16 @@ CREATE TABLE IF NOT EXISTS events (
     data TEXT NOT NULL
 );
 CREATE INDEX IF NOT EXISTS events_job ON events(job_id, id);
+CREATE TABLE IF NOT EXISTS progress (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    job_id TEXT NOT NULL REFERENCES jobs(id),
+    attempt INTEGER NOT NULL,
+    rank INTEGER NOT NULL,
+    step INTEGER NOT NULL,
+    at REAL NOT NULL,
+    data TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS progress_job ON progress(job_id, attempt, id);
 """
 
 
@@ -243,6 +254,12 @@ class Store:
                                     terminal).fetchall()
         return [self._job(r) for r in rows]
 
+    def count_by_state(self) -> dict[str, int]:
+        """``{state: number of jobs}`` for the states that have jobs."""
+        with self._lock:
+            rows = self._db.execute("SELECT state, COUNT(*) AS n FROM jobs GROUP BY state").fetchall()
+        return {r["state"]: r["n"] for r in rows}
+
     def set_state(self, job_id: str, new: JobState, *, cause: dict | None = None,
                   data: dict | None = None) -> JobRecord:
         """Move a job (and its current attempt) to ``new``; the one place state changes.
@@ -381,6 +398,40 @@ class Store:
                                     (job_id, since_id, limit)).fetchall()
         return [EventRecord(r["id"], r["job_id"], r["attempt"], r["at"], r["kind"], _load(r["data"]))
                 for r in rows]
+
+    # -- progress -------------------------------------------------------------------------
+
+    def add_progress(self, job_id: str, attempt: int, points: list[tuple[int, dict]]) -> None:
+        """Record reported steps, oldest first: ``[(global rank, point), ...]``; a point has
+        ``step`` (int) and ``at`` (epoch seconds) and any of ``loss``, ``lr``,
+        ``samples_per_second``, ``tokens_per_second``, ``step_seconds``, ``source``
+        (see agents/metrics.py). Non-finite floats are kept as the strings "nan"/"inf"."""
+        rows = []
+        for rank, point in points:
+            clean = {k: (v if not isinstance(v, float) or math.isfinite(v) else str(v)) for k, v in point.items()}
+            rows.append((job_id, attempt, int(rank), int(point["step"]), float(point.get("at") or self.clock()),
+                         json.dumps(clean, sort_keys=True)))
+        with self._tx() as db:
+            db.executemany("INSERT INTO progress (job_id, attempt, rank, step, at, data) VALUES (?, ?, ?, ?, ?, ?)",
+                           rows)
+
+    def progress(self, job_id: str, attempt: int, since_id: int = 0, limit: int = 100_000) -> list[dict]:
+        """The attempt's recorded points with id > ``since_id``, oldest first: dicts with ``id``,
+        ``rank``, ``step``, ``at`` and the point's other fields."""
+        with self._lock:
+            rows = self._db.execute("SELECT * FROM progress WHERE job_id = ? AND attempt = ? AND id > ? "
+                                    "ORDER BY id LIMIT ?", (job_id, attempt, since_id, limit)).fetchall()
+        return [{**json.loads(r["data"]), "id": r["id"], "rank": r["rank"], "step": r["step"], "at": r["at"]}
+                for r in rows]
+
+    def latest_progress(self, job_id: str, attempt: int) -> dict[int, dict]:
+        """``{global rank: its newest point}`` of an attempt."""
+        with self._lock:
+            rows = self._db.execute("SELECT p.* FROM progress p JOIN (SELECT rank, MAX(id) AS id FROM progress "
+                                    "WHERE job_id = ? AND attempt = ? GROUP BY rank) m ON p.id = m.id",
+                                    (job_id, attempt)).fetchall()
+        return {r["rank"]: {**json.loads(r["data"]), "id": r["id"], "rank": r["rank"], "step": r["step"],
+                            "at": r["at"]} for r in rows}
 
     # -- helpers --------------------------------------------------------------------------
 

@@ -9,6 +9,7 @@ docs/contract.md).
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from pathlib import Path
@@ -17,7 +18,7 @@ from typing import Any
 from .errors import NotFoundError
 from .store import AttemptRecord, JobRecord, Store
 
-__all__ = ["job_summary", "job_detail", "rank_rows", "read_log", "progress_of", "log_path"]
+__all__ = ["job_summary", "job_detail", "rank_rows", "node_rows", "read_log", "progress_of", "log_path"]
 
 _STEP = re.compile(r"\bstep=(\d+)")
 _LOSS = re.compile(r"\bloss=([-+]?(?:\d+\.?\d*(?:[eE][-+]?\d+)?|nan|inf))")
@@ -69,7 +70,12 @@ def rank_rows(store: Store, attempt: AttemptRecord) -> list[dict[str, Any]]:
 
     A rank's state is ``pending``, ``running``, ``exited`` (status 0), ``failed`` (ended
     by itself with another status), ``stopped`` (ended because orch stopped the attempt)
-    or ``not started``.
+    or ``not started``. Progress (``step``, ``loss``) is the newer of the rank's last
+    ``[train]``-style log line and its last reported step (agents.report, or DeepSpeed's
+    monitor for rank 0); ``progress_source`` says where reported metrics come from
+    (``report``, ``deepspeed``), else ``log`` when only the log has steps; ``lr``,
+    ``samples_per_second``, ``tokens_per_second``, ``step_seconds`` and ``reported_at`` come
+    from reports only.
     """
     rows: dict[int, dict[str, Any]] = {}
     for node in attempt.plan.get("nodes", []):
@@ -95,8 +101,60 @@ def rank_rows(store: Store, attempt: AttemptRecord) -> list[dict[str, Any]]:
         for row in rows.values():
             if row["state"] in ("running", "pending"):
                 row["state"] = "stopped" if row["state"] == "running" else "not started"
+    reported = store.latest_progress(attempt.job_id, attempt.number)
+    for rank, row in rows.items():
+        row.update(progress_of(_tail_bytes(log_path(attempt.plan, rank))))
+        row["loss"] = _float(row["loss"])
+        row["progress_source"] = "log" if row["step"] is not None else None
+        point = reported.get(rank)
+        if point is not None:  # reported metrics (sent about once a second) name the source
+            row["progress_source"] = point.get("source", "report")
+            if row["step"] is None or point["step"] >= row["step"]:  # else the log line is newer
+                row["step"] = point["step"]
+                if point.get("loss") is not None:
+                    row["loss"] = _float(point["loss"])
+        row["reported_at"] = point["at"] if point else None
+        for key in ("lr", "samples_per_second", "tokens_per_second", "step_seconds"):
+            row[key] = _float(point.get(key)) if point else None
+    return [rows[k] for k in sorted(rows)]
+
+
+def _float(value: Any) -> float | str | None:
+    """A number for JSON: finite floats as they are, NaN and infinities as the strings "nan",
+    "inf", "-inf" (JSON has no such numbers; a diverged loss must not read as missing)."""
+    if value is None:
+        return None
+    value = float(value)
+    return value if math.isfinite(value) else str(value)
+
+
+def node_rows(store: Store, attempt: AttemptRecord, cause: dict | None) -> list[dict[str, Any]]:
+    """Every node of an attempt: host, node rank, agent state and its metrics port.
+
+    The state is ``starting`` (agent not up yet), ``up`` (agent said hello), ``running``
+    (its ranks started), ``lost`` (named by a node-loss cause of the attempt), or, once the
+    attempt has stopped, ``ended``.
+    """
+    rows = {n["node_rank"]: {"node_rank": n["node_rank"], "host": n["host"], "state": "starting",
+                             "ranks": [r["global_rank"] for r in n["ranks"]], "metrics_port": None}
+            for n in attempt.plan.get("nodes", [])}
+    for ev in store.events(attempt.job_id):
+        if ev.attempt != attempt.number or ev.data.get("node_rank") not in rows:
+            continue
+        row = rows[ev.data["node_rank"]]
+        if ev.kind == "agent_up":
+            row["state"] = "up"
+        elif ev.kind == "ranks_started":
+            row.update(state="running", metrics_port=ev.data.get("metrics_port"))
+    lost = set()
+    for c in (cause or {}, (cause or {}).get("first_symptom") or {}):
+        if c.get("kind") == "node_lost":
+            lost.update(h for h in [c.get("node"), *(c.get("nodes") or [])] if h)
     for row in rows.values():
-        row.update(progress_of(_tail_bytes(log_path(attempt.plan, row["global_rank"]))))
+        if row["host"] in lost:
+            row["state"] = "lost"
+        elif attempt.stopped_at is not None:
+            row["state"] = "ended"
     return [rows[k] for k in sorted(rows)]
 
 
@@ -118,8 +176,10 @@ def job_detail(store: Store, job_id: str) -> dict[str, Any]:
         d["run_dir"] = current.plan.get("run_dir")
         d["checkpoint_dir"] = current.plan.get("checkpoint_dir")
         d["ranks"] = rank_rows(store, current)
+        d["node_states"] = node_rows(store, current, current.cause)
     else:
         d["ranks"] = []
+        d["node_states"] = []
     return d
 
 

@@ -217,6 +217,9 @@ ORCH_ADDED = {
     "ORCH_NODE_RANK": "the rank's node rank (contract: ORCH_*)",
     "ORCH_RUN_DIR": "the attempt's directory in orch's state dir (contract: ORCH_*)",
     "ORCH_CHECKPOINT_DIR": "orch's checkpoint directory (contract: ORCH_*)",
+    "ORCH_REPORT_FILE": "where agents.report appends the rank's steps (contract: ORCH_*, docs/metrics.md)",
+    "PROMETHEUS_MULTIPROC_DIR": "prometheus_client's multiprocess directory of the node's exporter "
+                                "(docs/metrics.md); set while the job exports metrics",
 }
 ORCH_CONFIG = {"ORCH_DEEPSPEED_CONFIG": "path of the spec's DeepSpeed config as orch wrote it "
                                         "(contract: ORCH_*); set only when the spec has one"}
@@ -254,10 +257,14 @@ def check_orch_vars(orch, side: RealSide, detail: dict, ours: dict[int, dict], c
                     "ORCH_ATTEMPT_ID": f"{job_id}.1", "ORCH_RESTART_COUNT": "0", "ORCH_NODE": host,
                     "ORCH_NODE_RANK": str(node_rank), "ORCH_RUN_DIR": run_dir,
                     "ORCH_CHECKPOINT_DIR": str(job_dir / "checkpoints")}
+        node_metrics = f"/tmp/orch-metrics/{job_id}.1/node-{node_rank}"
+        assert side.reports[first]["env"].get("PROMETHEUS_MULTIPROC_DIR") is None
+        assert ours[first]["env"]["PROMETHEUS_MULTIPROC_DIR"] == f"{node_metrics}/prom"  # metrics_port: auto
         if config:
             expected["ORCH_DEEPSPEED_CONFIG"] = os.path.join(run_dir, "ds_config.json")
         for rank in range(first, first + len(slots)):
             got = {k: v for k, v in ours[rank]["env"].items() if k.startswith("ORCH_")}
+            expected["ORCH_REPORT_FILE"] = f"{node_metrics}/reports/rank-{rank}.jsonl"
             assert got == expected, f"rank {rank}: ORCH_* variables {got} != {expected}"
             assert not [k for k in side.reports[rank]["env"] if k.startswith("ORCH_")]
         first += len(slots)
@@ -368,8 +375,9 @@ def test_nossh_orch_run(nossh_real, orch, write_spec):
     detail, ours = run_orch(orch, write_spec, side)
     ignore = check_orch_vars(orch, side, detail, ours, config=True)
     assert_same(side.reports, ours, ignore)
-    with open(ours[0]["env"]["ORCH_DEEPSPEED_CONFIG"]) as f:
-        assert json.load(f) == {"train_micro_batch_size_per_gpu": 1}
+    with open(ours[0]["env"]["ORCH_DEEPSPEED_CONFIG"]) as f:  # the spec's, plus DeepSpeed's CSV monitor for metrics
+        assert json.load(f) == {"train_micro_batch_size_per_gpu": 1, "csv_monitor": {
+            "enabled": True, "output_path": f"/tmp/orch-metrics/{detail['id']}.1/deepspeed", "job_name": "rank0"}}
 
 
 # --------------------------------------------------------------------------- standard

@@ -103,6 +103,24 @@ def test_metrics_ports_per_node(tmp_path) -> None:
     ssh = _spec(tmp_path, metrics_port=9100).model_copy(update={"provisioner": "ssh"})
     remote = make_plan(ssh, _pool(("n0", 1), ("n1", 1)), _inputs())
     assert [n.metrics_port for n in remote.nodes] == [9100, 9100]  # their own hosts
-    assert make_plan(_spec(tmp_path), _pool(("n0", 1)), _inputs()).nodes[0].metrics_port is None
+    assert make_plan(_spec(tmp_path), _pool(("n0", 1)), _inputs()).nodes[0].metrics_port == 0  # auto: any free
+    assert make_plan(_spec(tmp_path, metrics_port=None), _pool(("n0", 1)), _inputs()).nodes[0].metrics_port is None
+
+
+def test_deepspeed_csv_monitor_is_turned_on_into_the_node_local_metrics_dir(tmp_path) -> None:
+    ds = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2}}
+    plan = make_plan(_spec(tmp_path), _pool(("n0", 2), ("n1", 2)), _inputs(deepspeed_config=ds))
+    metrics_dir = "/tmp/orch-metrics/" + plan.attempt_id
+    assert plan.deepspeed_config == {**ds, "csv_monitor": {"enabled": True, "output_path": metrics_dir + "/deepspeed",
+                                                           "job_name": "rank0"}}
+    assert [n.metrics_dir for n in plan.nodes] == [metrics_dir] * 2
+    assert [n.deepspeed_monitor_dir for n in plan.nodes] == [metrics_dir + "/deepspeed/rank0", None]  # rank 0's node
+    own = {**ds, "csv_monitor": {"enabled": True, "output_path": "/data/mon", "job_name": "exp"}}
+    plan = make_plan(_spec(tmp_path), _pool(("n0", 1)), _inputs(deepspeed_config=own))
+    assert plan.deepspeed_config == own and plan.nodes[0].deepspeed_monitor_dir == "/data/mon/exp"
+    off = {**ds, "csv_monitor": {"enabled": False}}
+    plan = make_plan(_spec(tmp_path), _pool(("n0", 1)), _inputs(deepspeed_config=off))
+    assert plan.deepspeed_config == off and plan.nodes[0].deepspeed_monitor_dir is None
+    assert make_plan(_spec(tmp_path), _pool(("n0", 1)), _inputs()).nodes[0].deepspeed_monitor_dir is None
     with pytest.raises(PlanError, match="at most 65534"):
         make_plan(_spec(tmp_path, metrics_port=65535), _pool(("n0", 1), ("n1", 1)), _inputs())

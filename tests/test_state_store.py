@@ -109,6 +109,21 @@ def test_revise_cause_only_of_an_ended_attempt_and_only_the_current_job_cause(tm
     assert s.get_job("j-1").cause is None and s.get_attempt("j-1", 1).cause["node"] == "c"
 
 
+def test_progress_points_in_order_since_an_id_and_the_latest_per_rank(tmp_path) -> None:
+    s = _store(tmp_path)
+    s.create_job("j-1", "j", {})
+    s.add_attempt("j-1", 1, {"nodes": []}, None)
+    s.add_progress("j-1", 1, [(0, {"step": 1, "at": 10.0, "loss": 5.0}), (1, {"step": 1, "at": 10.1, "loss": 5.1}),
+                              (0, {"step": 2, "at": 11.0, "loss": float("nan")})])
+    points = s.progress("j-1", 1)
+    assert [(p["rank"], p["step"]) for p in points] == [(0, 1), (1, 1), (0, 2)]
+    assert points[2]["loss"] == "nan" and points[0]["at"] == 10.0  # JSON has no NaN: kept as a string
+    assert [p["step"] for p in s.progress("j-1", 1, since_id=points[1]["id"])] == [2]
+    assert s.progress("j-1", 2) == []
+    latest = s.latest_progress("j-1", 1)
+    assert {r: p["step"] for r, p in latest.items()} == {0: 2, 1: 1}
+
+
 def test_get_job_by_prefix(tmp_path) -> None:
     s = _store(tmp_path)
     s.create_job("alpha-111111", "alpha", {})

@@ -1,0 +1,130 @@
+"""The controller's own Prometheus metrics and the Prometheus targets files of running attempts.
+
+Metrics (docs/metrics.md, "Controller"): ``orch_jobs{state}`` is read from the store at
+scrape time; the counters and histograms count what this controller process saw.
+
+Targets: one ``file_sd`` file per running attempt, ``<targets dir>/<job>.<attempt>.json``,
+listing every node agent's exporter with the labels ``job``, ``attempt`` and ``node``
+(Prometheus' file_sd format: a list of ``{"targets": ["host:port"], "labels": {...}}``).
+Files are written atomically (a rename), so Prometheus never reads half a file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from .state import JobState
+from .store import Store
+
+__all__ = ["ControllerMetrics", "TargetsWriter", "default_targets_dir"]
+
+#: Buckets of orch_time_to_running_seconds (seconds).
+START_BUCKETS = (0.5, 1, 2, 3, 5, 7.5, 10, 15, 20, 30, 45, 60, 90, 120, 180, 300, 600)
+#: Buckets of orch_failure_detection_seconds (seconds).
+DETECT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 3, 4, 5, 7.5, 10, 20, 30, 60)
+
+
+class _JobsByState(Collector):
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+    def collect(self) -> Iterable[Metric]:
+        counts = {s.value: 0 for s in JobState}
+        for state, n in self.store.count_by_state().items():
+            counts[state] = n
+        family = GaugeMetricFamily("orch_jobs", "jobs in the store by state", labels=["state"])
+        for state, n in sorted(counts.items()):
+            family.add_metric([state], n)
+        yield family
+
+
+class ControllerMetrics:
+    """The metrics of one controller process.
+
+    Args:
+        store: the job store (read at scrape time for ``orch_jobs``).
+    """
+
+    def __init__(self, store: Store) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(_JobsByState(store))
+        self.attempts = Counter("orch_attempts", "attempts this controller started", registry=self.registry)
+        self.restarts = Counter("orch_restarts", "attempts this controller started that were not a job's first",
+                                registry=self.registry)
+        self.time_to_running = Histogram("orch_time_to_running_seconds", "from an attempt's creation to every "
+                                         "rank running", registry=self.registry, buckets=START_BUCKETS)
+        self.failure_detection = Histogram("orch_failure_detection_seconds", "from a failure to the job's "
+                                           "FAILED state", ["cause"], registry=self.registry,
+                                           buckets=DETECT_BUCKETS)
+
+    def attempt_started(self, number: int) -> None:
+        """An attempt was created (number 1: a job's first)."""
+        self.attempts.inc()
+        if number > 1:
+            self.restarts.inc()
+
+    def running(self, seconds: float) -> None:
+        """Every rank of an attempt runs, ``seconds`` after the attempt was created."""
+        self.time_to_running.observe(max(0.0, seconds))
+
+    def failure_detected(self, kind: str, seconds: float) -> None:
+        """A failure of kind ``kind`` became FAILED ``seconds`` after it happened."""
+        self.failure_detection.labels(cause=kind).observe(max(0.0, seconds))
+
+
+def default_targets_dir(state_dir: str | Path) -> Path:
+    """``$ORCH_PROMETHEUS_TARGETS``, else ``<state dir>/prometheus/targets``."""
+    env = os.environ.get("ORCH_PROMETHEUS_TARGETS")
+    return Path(env).expanduser() if env else Path(state_dir) / "prometheus" / "targets"
+
+
+class TargetsWriter:
+    """Writes and removes Prometheus ``file_sd`` files in one directory.
+
+    Args:
+        directory: the targets directory (created on first write).
+    """
+
+    def __init__(self, directory: str | Path) -> None:
+        self.directory = Path(directory)
+
+    def path(self, name: str) -> Path:
+        return self.directory / f"{name}.json"
+
+    def write(self, name: str, groups: list[dict]) -> Path:
+        """Write ``groups`` (``[{"targets": ["host:port"], "labels": {...}}]``) as ``<name>.json``.
+
+        Raises:
+            OSError: the directory cannot be written.
+        """
+        self.directory.mkdir(parents=True, exist_ok=True)
+        path = self.path(name)
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(json.dumps(groups, indent=2, sort_keys=True) + "\n")
+        os.replace(tmp, path)
+        return path
+
+    def remove(self, name: str) -> None:
+        """Remove ``<name>.json`` if it is there."""
+        try:
+            self.path(name).unlink()
+        except FileNotFoundError:
+            pass
+
+
+def attempt_targets(job_id: str, attempt: int, nodes: list[tuple[str, str, int]]) -> list[dict]:
+    """The file_sd groups of an attempt: one per node, from ``(node name, address, port)``."""
+    return [{"targets": [f"{_bracket(addr)}:{port}"],
+             "labels": {"job": job_id, "attempt": str(attempt), "node": node}}
+            for node, addr, port in nodes]
+
+
+def _bracket(addr: str) -> str:
+    return f"[{addr}]" if ":" in addr else addr

@@ -1,0 +1,637 @@
+// orch dashboard: polls the orch server's JSON API once a second and renders jobs, a job's
+// attempts, nodes, ranks, training charts (inline SVG) and log tails. No dependencies.
+"use strict";
+
+(() => {
+  const POLL_MS = 1000;
+  const FETCH_TIMEOUT_MS = 5000;
+  const LOG_LINES = 50;
+  const LOG_BYTES = 16384;
+  const PROGRESS_PAGE = 20000;
+  const MAX_DRAWN = 2500;            // points drawn per series (all are counted)
+  const COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
+                  "#bcbd22", "#17becf"];
+  const TERMINAL = new Set(["SUCCEEDED", "FAILED", "CANCELLED"]);
+  const SVGNS = "http://www.w3.org/2000/svg";
+
+  const S = {
+    jobId: null,          // the open job (from the hash), or null for the list
+    detail: null,
+    keys: {},             // last rendered input of each section, to skip identical re-renders
+    chartAttempt: null,   // attempt shown by charts and logs
+    attemptPinned: false, // the user picked one (else: follow the current attempt)
+    prog: null,           // {job, attempt, lastId, byRank: Map<rank, point[]>, done, version}
+    logRank: null,
+    logPinned: false,
+    logDone: null,        // key of a log read to its end after its attempt stopped
+    timer: null,
+    busy: false,
+    again: false,
+  };
+
+  const $ = (sel) => document.querySelector(sel);
+
+  // ------------------------------------------------------------------ helpers
+
+  function el(tag, attrs, ...children) {
+    const node = document.createElement(tag);
+    for (const [k, v] of Object.entries(attrs || {})) {
+      if (v === null || v === undefined || v === false) continue;
+      if (k === "class") node.className = v;
+      else if (k === "text") node.textContent = v;
+      else if (k.startsWith("on")) node.addEventListener(k.slice(2), v);
+      else node.setAttribute(k, v === true ? "" : String(v));
+    }
+    for (const c of children.flat()) {
+      if (c === null || c === undefined || c === false) continue;
+      node.append(c instanceof Node ? c : document.createTextNode(String(c)));
+    }
+    return node;
+  }
+
+  function svg(tag, attrs, ...children) {
+    const node = document.createElementNS(SVGNS, tag);
+    for (const [k, v] of Object.entries(attrs || {})) {
+      if (v === null || v === undefined) continue;
+      if (k === "text") node.textContent = v;
+      else node.setAttribute(k, String(v));
+    }
+    for (const c of children.flat()) if (c) node.append(c);
+    return node;
+  }
+
+  const pad2 = (n) => String(n).padStart(2, "0");
+
+  function fmtClock(date) {
+    return `${pad2(date.getHours())}:${pad2(date.getMinutes())}:${pad2(date.getSeconds())}`;
+  }
+
+  function fmtTime(epoch) {
+    if (epoch === null || epoch === undefined) return "–";
+    const d = new Date(epoch * 1000);
+    const now = new Date();
+    if (d.toDateString() === now.toDateString()) return fmtClock(d);
+    return `${d.getFullYear()}-${pad2(d.getMonth() + 1)}-${pad2(d.getDate())} ${pad2(d.getHours())}:${pad2(d.getMinutes())}`;
+  }
+
+  function fmtDur(seconds) {
+    if (seconds === null || seconds === undefined || !isFinite(seconds)) return "–";
+    const s = Math.max(0, Math.round(seconds));
+    if (s < 60) return `${s}s`;
+    if (s < 3600) return `${Math.floor(s / 60)}m${pad2(s % 60)}s`;
+    return `${Math.floor(s / 3600)}h${pad2(Math.floor((s % 3600) / 60))}m`;
+  }
+
+  function fmtAgo(epoch) {
+    if (!epoch) return "–";
+    return `${fmtDur(Date.now() / 1000 - epoch)} ago`;
+  }
+
+  function num(v) {
+    if (v === null || v === undefined || v === "") return null;
+    const x = typeof v === "number" ? v : parseFloat(v);  // "nan"/"inf" -> NaN/Infinity
+    return Number.isNaN(x) && String(v).toLowerCase() !== "nan" ? null : x;
+  }
+
+  function fmtLoss(v) {
+    const x = num(v);
+    if (x === null) return "–";
+    if (!isFinite(x)) return String(x).toLowerCase().replace("infinity", "inf");
+    return Math.abs(x) >= 1000 ? x.toExponential(3) : x.toFixed(4);
+  }
+
+  function fmtRate(v) {
+    const x = num(v);
+    if (x === null || !isFinite(x)) return "–";
+    if (x >= 1e6) return `${(x / 1e6).toFixed(2)}M`;
+    if (x >= 1e4) return `${(x / 1e3).toFixed(1)}k`;
+    return x.toFixed(0);
+  }
+
+  function fmtTick(v, step) {
+    if (Math.abs(v) >= 1e5) return v.toExponential(1);
+    let digits = 0;   // as many decimals as the tick step needs (0.25 -> 2)
+    while (digits < 6 && Math.abs(Math.round(step * 10 ** digits) - step * 10 ** digits) > 1e-6) digits++;
+    return v.toFixed(digits);
+  }
+
+  function badge(state, prefix, extra) {
+    const cls = prefix === "state" ? `state-${state}` : `st-${String(state).replace(/\s+/g, "-")}`;
+    return el("span", {class: `badge ${cls} ${extra || ""}`.trim(), "data-state": state, text: state});
+  }
+
+  function color(rank) { return COLORS[rank % COLORS.length]; }
+
+  function causeTail(cause) {
+    if (!cause) return null;
+    if (cause.log_tail && cause.log_tail.length) return {rank: cause.global_rank, lines: cause.log_tail};
+    const first = cause.first_symptom;
+    if (first && first.log_tail && first.log_tail.length) return {rank: first.global_rank, lines: first.log_tail};
+    return null;
+  }
+
+  function causeRank(cause) {
+    if (!cause) return null;
+    if (Number.isInteger(cause.global_rank)) return cause.global_rank;
+    if (cause.first_symptom && Number.isInteger(cause.first_symptom.global_rank)) return cause.first_symptom.global_rank;
+    return null;
+  }
+
+  function changed(section, value) {
+    const key = JSON.stringify(value);
+    if (S.keys[section] === key) return false;
+    S.keys[section] = key;
+    return true;
+  }
+
+  class HttpError extends Error {
+    constructor(status, message) { super(message); this.status = status; }
+  }
+
+  async function getJSON(path) {
+    const ctl = new AbortController();
+    const timer = setTimeout(() => ctl.abort(), FETCH_TIMEOUT_MS);
+    try {
+      const r = await fetch(path, {cache: "no-store", signal: ctl.signal, headers: {Accept: "application/json"}});
+      let body = null;
+      try { body = await r.json(); } catch (_e) { body = null; }
+      if (!r.ok) throw new HttpError(r.status, (body && body.error) || `HTTP ${r.status}`);
+      return body;
+    } finally {
+      clearTimeout(timer);
+    }
+  }
+
+  // ------------------------------------------------------------------ routing
+
+  function route() {
+    const m = location.hash.match(/^#\/jobs\/([^/?]+)/);
+    const jobId = m ? decodeURIComponent(m[1]) : null;
+    if (jobId !== S.jobId) {
+      S.jobId = jobId;
+      S.detail = null;
+      S.chartAttempt = null;
+      S.attemptPinned = false;
+      S.prog = null;
+      S.logRank = null;
+      S.logPinned = false;
+      S.logDone = null;
+      S.keys = {};
+      $("#log-tail").textContent = "";
+      $("#job-body").hidden = true;
+      $("#job-missing").hidden = true;
+      for (const sel of ["#job-header", "#attempts-table tbody", "#ranks-table tbody", "#nodes", "#loss-chart",
+                         "#rate-chart", "#chart-attempt", "#log-rank"]) {
+        $(sel).replaceChildren();
+      }
+      for (const sel of ["#chart-info", "#log-info", "#nodes-attempt", "#ranks-attempt"]) $(sel).textContent = "";
+    }
+    $("#jobs-view").hidden = jobId !== null;
+    $("#job-view").hidden = jobId === null;
+    document.title = jobId ? `${jobId} · orch` : "orch";
+    schedule(0);
+  }
+
+  // ------------------------------------------------------------------ polling
+
+  function schedule(delay) {
+    clearTimeout(S.timer);
+    S.timer = setTimeout(tick, delay);
+  }
+
+  async function tick() {
+    if (S.busy) { S.again = true; return; }
+    S.busy = true;
+    let reachable = true;
+    const guard = async (fn) => {
+      try { await fn(); } catch (err) {
+        if (err instanceof HttpError) console.warn(err.message);   // the server answered
+        else { reachable = false; console.warn("poll failed:", err); }
+      }
+    };
+    await guard(refreshJobs);
+    if (S.jobId && reachable) await guard(refreshJob);
+    setConnection(reachable);
+    S.busy = false;
+    schedule(S.again ? 0 : POLL_MS);
+    S.again = false;
+  }
+
+  function setConnection(ok) {
+    $("#conn-lost").hidden = ok;
+    document.body.classList.toggle("offline", !ok);
+    if (ok) $("#updated").textContent = `updated ${fmtClock(new Date())}`;
+  }
+
+  // ------------------------------------------------------------------ jobs list
+
+  async function refreshJobs() {
+    const jobs = await getJSON("/api/jobs");
+    const running = jobs.filter((j) => j.state === "RUNNING").length;
+    $("#summary").textContent = `${jobs.length} job${jobs.length === 1 ? "" : "s"} · ${running} running`;
+    if (!changed("jobs", jobs)) return;
+    $("#jobs-empty").hidden = jobs.length > 0;
+    const rows = jobs.map((j) => {
+      const href = `#/jobs/${encodeURIComponent(j.id)}`;
+      const cause = j.cause_message || "";
+      return el("tr", {class: "job-row", "data-job-id": j.id, "data-state": j.state,
+                       onclick: () => { location.hash = href; }},
+        el("td", {class: "job-id mono"}, el("a", {href, text: j.id})),
+        el("td", {class: "job-name", text: j.name}),
+        el("td", {class: "job-state"}, badge(j.state, "state")),
+        el("td", {class: "num", text: j.attempt}),
+        el("td", {class: "num", text: j.restarts}),
+        el("td", {class: "job-nodes", text: (j.nodes || []).join(", ") || "–"}),
+        el("td", {class: "num", text: j.world_size ?? "–"}),
+        el("td", {class: "job-updated", title: new Date(j.updated_at * 1000).toString(), text: fmtTime(j.updated_at)}),
+        el("td", {class: `cause-cell${cause && j.state !== "FAILED" ? " muted" : ""}`, title: cause, text: cause}));
+    });
+    $("#jobs-table tbody").replaceChildren(...rows);
+  }
+
+  // ------------------------------------------------------------------ one job
+
+  async function refreshJob() {
+    const jobId = S.jobId;
+    let detail;
+    try {
+      detail = await getJSON(`/api/jobs/${encodeURIComponent(jobId)}`);
+    } catch (err) {
+      if (err instanceof HttpError && err.status === 404) {
+        const box = $("#job-missing");
+        box.hidden = false;
+        box.textContent = err.message;
+        $("#job-body").hidden = true;
+        $("#job-header").replaceChildren(el("a", {href: "#/", text: "← all jobs"}));
+        delete S.keys.header;
+        return;
+      }
+      throw err;
+    }
+    if (jobId !== S.jobId) return;          // navigated away meanwhile
+    $("#job-missing").hidden = true;
+    $("#job-body").hidden = false;
+    S.detail = detail;
+    const attempts = detail.attempts || [];
+    if (!S.attemptPinned || !attempts.some((a) => a.number === S.chartAttempt)) {
+      S.chartAttempt = detail.attempt;
+      S.attemptPinned = false;
+    }
+    renderHeader(detail);
+    renderAttempts(detail);
+    renderNodes(detail);
+    renderRanks(detail);
+    renderAttemptSelect(detail);
+    await refreshProgress(detail);
+    await refreshLog(detail);
+  }
+
+  function renderHeader(d) {
+    const cur = (d.attempts || []).find((a) => a.number === d.attempt);
+    const since = cur && (cur.running_at || cur.created_at);
+    const end = cur && (cur.ended_at || null);
+    const value = [d.id, d.name, d.state, d.attempt, d.restarts, d.world_size, d.master_addr, d.master_port,
+                   d.run_dir, d.cause, d.updated_at, since, end, end ? 0 : Math.floor(Date.now() / 1000)];
+    if (!changed("header", value)) return;
+    const meta = (label, v) => el("span", {class: "meta"}, `${label} `, el("b", {text: v ?? "–"}));
+    const parts = [
+      el("a", {href: "#/", class: "back", title: "all jobs", text: "← jobs"}),
+      el("span", {class: "title", text: d.name}),
+      el("span", {class: "mono muted", text: d.id}),
+      badge(d.state, "state", "big"),
+      meta("attempt", d.attempt),
+      meta("restarts", d.restarts),
+      meta("world size", d.world_size),
+      meta("master", d.master_addr ? `${d.master_addr}:${d.master_port}` : null),
+      meta(end ? "ran" : "running for", since ? fmtDur((end || Date.now() / 1000) - since) : null),
+      meta("state since", fmtTime(d.updated_at)),
+      el("span", {class: "meta mono small", title: "run directory", text: d.run_dir || ""}),
+    ];
+    const header = $("#job-header");
+    header.replaceChildren(...parts);
+    header.setAttribute("data-state", d.state);
+    if (d.cause && d.cause.message) {
+      const cls = d.state === "FAILED" ? "cause" : "cause note";
+      header.append(el("div", {id: "job-cause", class: cls, style: "flex-basis: 100%"},
+        el("b", {text: d.state === "FAILED" ? "failed: " : "stopped: "}), d.cause.message,
+        d.cause.kind ? el("span", {class: "kind", text: `(${d.cause.kind})`}) : null));
+    }
+  }
+
+  function renderAttempts(d) {
+    const attempts = d.attempts || [];
+    if (!changed("attempts", [attempts, attempts.some((a) => !a.ended_at) ? Math.floor(Date.now() / 1000) : 0])) return;
+    const rows = [];
+    for (const a of [...attempts].reverse()) {
+      const started = a.running_at || a.created_at;
+      const cause = a.cause;
+      const failed = a.state === "FAILED";
+      let causeCell = el("span", {class: "muted", text: "–"});
+      if (cause && cause.message) {
+        causeCell = el("div", {class: failed ? "cause" : "cause-note muted"},
+          el("span", {class: "cause-message", text: cause.message}),
+          cause.kind ? el("span", {class: "kind", text: `(${cause.kind})`}) : null);
+      }
+      rows.push(el("tr", {class: "attempt", "data-attempt": a.number, "data-state": a.state},
+        el("td", {class: "num", text: a.number}),
+        el("td", {}, badge(a.state, "state")),
+        el("td", {class: "wrap", text: (a.nodes || []).join(", ")}),
+        el("td", {class: "mono resume-tag", text: a.resume_tag || "fresh start"}),
+        el("td", {text: fmtTime(started)}),
+        el("td", {text: started ? fmtDur((a.ended_at || Date.now() / 1000) - started) : "–"}),
+        el("td", {class: "cause-td"}, causeCell)));
+      const tail = cause && causeTail(cause);
+      if (tail) {
+        rows.push(el("tr", {class: "attempt-tail", "data-attempt": a.number},
+          el("td", {colspan: 7},
+            el("div", {class: failed ? "cause tail-box" : "cause-note muted tail-box"},
+              el("div", {class: "small", text: `last lines of rank ${tail.rank ?? "?"}'s log (attempt ${a.number}):`}),
+              el("pre", {class: "log-tail-lines", text: tail.lines.slice(-20).join("\n")})))));
+      }
+    }
+    $("#attempts-table tbody").replaceChildren(...rows);
+    for (const pre of document.querySelectorAll("#attempts-table pre.log-tail-lines")) pre.scrollTop = pre.scrollHeight;
+  }
+
+  function renderNodes(d) {
+    const nodes = d.node_states || [];
+    $("#nodes-attempt").textContent = `attempt ${d.attempt}`;
+    if (!changed("nodes", nodes)) return;
+    $("#nodes").replaceChildren(...nodes.map((n) => el("div", {class: "node", "data-node-rank": n.node_rank,
+                                                                 "data-state": n.state},
+      el("div", {}, el("span", {class: "host", text: n.host}), badge(n.state, "st")),
+      el("div", {class: "sub", text: `node ${n.node_rank} · ranks ${n.ranks.join(", ")}` +
+                                      (n.metrics_port ? ` · metrics :${n.metrics_port}` : "")}))));
+    if (!nodes.length) $("#nodes").append(el("span", {class: "muted", text: "no nodes planned yet"}));
+  }
+
+  function renderRanks(d) {
+    const ranks = d.ranks || [];
+    $("#ranks-attempt").textContent = `attempt ${d.attempt}`;
+    if (!changed("ranks", [ranks, Math.floor(Date.now() / 1000)])) return;
+    $("#ranks-table tbody").replaceChildren(...ranks.map((r) => {
+      const stepTime = num(r.step_seconds);
+      const state = r.state;
+      return el("tr", {class: "rank-row", "data-rank": r.global_rank, "data-state": r.state},
+        el("td", {class: "num"}, el("span", {style: `color:${color(r.global_rank)}`, text: "● "}), r.global_rank),
+        el("td", {text: `${r.host} (${r.node_rank})`}),
+        el("td", {class: "num", text: r.local_rank}),
+        el("td", {class: "num mono", text: r.pid ?? "–"}),
+        el("td", {class: "rank-state", title: r.how || ""}, badge(state, "st"),
+           r.how && r.state !== "exited" ? el("span", {class: "muted small", text: ` ${r.how}`}) : null),
+        el("td", {class: "num rank-step", text: r.step ?? "–"}),
+        el("td", {class: "num rank-loss", text: fmtLoss(r.loss)}),
+        el("td", {class: "num rank-tps", text: fmtRate(r.tokens_per_second)}),
+        el("td", {class: "num", text: stepTime === null ? "–" : `${(stepTime * 1000).toFixed(1)} ms`}),
+        el("td", {class: "muted", title: r.progress_source || "", text: r.reported_at ? fmtAgo(r.reported_at) : "–"}),
+        el("td", {class: "last-line mono", title: r.last_line || "", text: r.last_line || ""}));
+    }));
+  }
+
+  function renderAttemptSelect(d) {
+    const sel = $("#chart-attempt");
+    const numbers = (d.attempts || []).map((a) => a.number).reverse();
+    if (changed("attempt-options", [numbers, d.attempt])) {
+      sel.replaceChildren(...numbers.map((n) => el("option", {value: n,
+        text: n === d.attempt ? `${n} (current)` : String(n)})));
+    }
+    if (S.chartAttempt !== null) sel.value = String(S.chartAttempt);
+  }
+
+  // ------------------------------------------------------------------ progress and charts
+
+  async function refreshProgress(d) {
+    const attempt = S.chartAttempt;
+    if (!attempt) return;
+    if (!S.prog || S.prog.job !== d.id || S.prog.attempt !== attempt) {
+      S.prog = {job: d.id, attempt, lastId: 0, byRank: new Map(), done: false, version: 0};
+    }
+    const prog = S.prog;
+    const rec = (d.attempts || []).find((a) => a.number === attempt);
+    const stopped = !!(rec && rec.stopped_at);
+    if (!prog.done) {
+      for (let page = 0; page < 20; page++) {
+        const res = await getJSON(`/api/jobs/${encodeURIComponent(d.id)}/progress?attempt=${attempt}` +
+                                  `&since=${prog.lastId}&limit=${PROGRESS_PAGE}`);
+        if (S.prog !== prog) return;        // switched attempt or job meanwhile
+        for (const p of res.points) {
+          if (!prog.byRank.has(p.rank)) prog.byRank.set(p.rank, []);
+          prog.byRank.get(p.rank).push(p);
+        }
+        if (res.points.length) prog.version++;
+        prog.lastId = res.last_id;
+        if (res.points.length < PROGRESS_PAGE) break;
+      }
+      if (stopped) prog.done = true;        // one full read after the attempt stopped
+    }
+    const t0 = rec ? (rec.running_at || rec.created_at) : null;
+    if (changed("charts", [prog.job, prog.attempt, prog.version, t0])) renderCharts(prog, t0);
+  }
+
+  function renderCharts(prog, t0) {
+    const ranks = [...prog.byRank.keys()].sort((a, b) => a - b);
+    const lossSeries = [];
+    const rateSeries = [];
+    let total = 0;
+    let nonFinite = 0;
+    for (const rank of ranks) {
+      const pts = prog.byRank.get(rank);
+      total += pts.length;
+      const loss = [];
+      for (const p of pts) {
+        const y = num(p.loss);
+        if (y === null) continue;
+        if (!isFinite(y)) { nonFinite++; continue; }
+        loss.push([p.step, y]);
+      }
+      lossSeries.push({rank, pts: loss});
+      const rate = [];
+      const base = t0 || (pts.length ? pts[0].at : 0);
+      for (let i = 1; i < pts.length; i++) {
+        const dt = pts[i].at - pts[i - 1].at;
+        const ds = pts[i].step - pts[i - 1].step;
+        if (dt > 0 && ds >= 0) rate.push([pts[i].at - base, ds / dt]);
+      }
+      rateSeries.push({rank, pts: rate});
+    }
+    const last = ranks.map((r) => { const p = prog.byRank.get(r); return p[p.length - 1].step; });
+    $("#chart-info").textContent = total
+      ? `${total} reported points · step ${Math.min(...last)}–${Math.max(...last)}` +
+        (nonFinite ? ` · ${nonFinite} non-finite losses not drawn` : "")
+      : "no reported steps yet";
+    drawChart($("#loss-chart"), lossSeries, {
+      xLabel: "step", yLabel: "loss", xInteger: true,
+      empty: "waiting for reported steps…",
+    });
+    drawChart($("#rate-chart"), rateSeries, {
+      xLabel: "time (s)", yLabel: "steps/s", yZero: true, xTime: true,
+      empty: "needs two reports of a rank…",
+    });
+  }
+
+  const TIME_STEPS = [1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 14400, 21600, 43200, 86400];
+
+  function niceScale(lo, hi, count, opts) {
+    if (!isFinite(lo) || !isFinite(hi)) { lo = 0; hi = 1; }
+    if (hi - lo < 1e-12) {
+      const pad = Math.abs(hi) > 1e-9 ? Math.abs(hi) * 0.1 : 1;
+      lo -= pad; hi += pad;
+      if (opts.zero && lo < 0 && hi > 0 && lo + pad >= 0) lo = 0;
+    }
+    const raw = (hi - lo) / count;
+    let step;
+    if (opts.time) {
+      step = TIME_STEPS.find((s) => s >= raw) || Math.ceil(raw / 86400) * 86400;
+    } else {
+      const mag = Math.pow(10, Math.floor(Math.log10(raw)));
+      const norm = raw / mag;
+      step = (norm <= 1 ? 1 : norm <= 2 ? 2 : norm <= 2.5 ? 2.5 : norm <= 5 ? 5 : 10) * mag;
+      if (opts.integer && !Number.isInteger(step)) step = step < 1 ? 1 : step < 2 ? 2 : 5;
+    }
+    const min = Math.floor(lo / step + 1e-9) * step;
+    const max = Math.ceil(hi / step - 1e-9) * step;
+    const ticks = [];
+    for (let v = min; v <= max + step * 1e-6; v += step) ticks.push(Math.round(v / step) * step);
+    return {min, max: max > min ? max : min + step, step, ticks};
+  }
+
+  function fmtSeconds(v) {
+    if (v < 60) return `${Math.round(v)}`;
+    const s = Math.round(v);
+    if (s < 3600) return `${Math.floor(s / 60)}:${pad2(s % 60)}`;
+    return `${Math.floor(s / 3600)}:${pad2(Math.floor((s % 3600) / 60))}:${pad2(s % 60)}`;
+  }
+
+  function drawChart(node, series, opts) {
+    const W = 600, H = 260, L = 56, R = 14, B = 36;
+    const ITEM = 64, perRow = Math.max(1, Math.floor((W - L - R) / ITEM));
+    const legendRows = Math.ceil(series.length / perRow);
+    const T = 10 + Math.max(1, legendRows) * 14;
+    const pw = W - L - R, ph = H - T - B;
+    const all = series.flatMap((s) => s.pts);
+    const parts = [];
+    if (!all.length) {
+      parts.push(svg("rect", {class: "frame", x: L, y: T, width: pw, height: ph, fill: "none", stroke: "currentColor",
+                              "stroke-opacity": 0.15}));
+      parts.push(svg("text", {class: "empty", x: L + pw / 2, y: T + ph / 2, "text-anchor": "middle", text: opts.empty}));
+    } else {
+      let x0 = Infinity, x1 = -Infinity, y0 = Infinity, y1 = -Infinity;
+      for (const [x, y] of all) {
+        if (x < x0) x0 = x; if (x > x1) x1 = x;
+        if (y < y0) y0 = y; if (y > y1) y1 = y;
+      }
+      if (opts.yZero) y0 = Math.min(0, y0);
+      const xs = niceScale(x0, x1, 6, {integer: opts.xInteger, time: opts.xTime});
+      const ys = niceScale(y0, y1, 5, {zero: opts.yZero});
+      const px = (x) => L + ((x - xs.min) / (xs.max - xs.min)) * pw;
+      const py = (y) => T + ph - ((y - ys.min) / (ys.max - ys.min)) * ph;
+      const grid = svg("g", {class: "grid"});
+      for (const v of ys.ticks) {
+        grid.append(svg("line", {class: "gridline", x1: L, x2: L + pw, y1: py(v), y2: py(v)}));
+        grid.append(svg("text", {class: "tick y-tick", x: L - 6, y: py(v) + 4, "text-anchor": "end",
+                                 text: fmtTick(v, ys.step)}));
+      }
+      for (const v of xs.ticks) {
+        grid.append(svg("line", {class: "gridline", x1: px(v), x2: px(v), y1: T, y2: T + ph}));
+        grid.append(svg("text", {class: "tick x-tick", x: px(v), y: T + ph + 15, "text-anchor": "middle",
+                                 text: opts.xTime ? fmtSeconds(v) : fmtTick(v, xs.step)}));
+      }
+      parts.push(grid);
+      parts.push(svg("line", {class: "axis x-axis", x1: L, x2: L + pw, y1: T + ph, y2: T + ph}));
+      parts.push(svg("line", {class: "axis y-axis", x1: L, x2: L, y1: T, y2: T + ph}));
+      const lines = svg("g", {class: "series-group"});
+      for (const s of series) {
+        const stride = Math.max(1, Math.ceil(s.pts.length / MAX_DRAWN));
+        const drawn = s.pts.filter((_p, i) => i % stride === 0 || i === s.pts.length - 1);
+        const coords = drawn.map(([x, y]) => `${px(x).toFixed(1)},${py(y).toFixed(1)}`).join(" ");
+        const last = s.pts[s.pts.length - 1];
+        lines.append(svg("polyline", {class: "series", "data-rank": s.rank, "data-points": s.pts.length,
+                                      "data-last-x": last ? last[0] : "", points: coords, stroke: color(s.rank)}));
+        if (last) {
+          lines.append(svg("circle", {class: "last-point", "data-rank": s.rank, cx: px(last[0]).toFixed(1),
+                                      cy: py(last[1]).toFixed(1), r: 2.5, fill: color(s.rank)}));
+        }
+      }
+      parts.push(lines);
+    }
+    parts.push(svg("text", {class: "axis-label", x: L + pw / 2, y: H - 4, "text-anchor": "middle", text: opts.xLabel}));
+    parts.push(svg("text", {class: "axis-label", x: 12, y: T + ph / 2, "text-anchor": "middle",
+                            transform: `rotate(-90 12 ${T + ph / 2})`, text: opts.yLabel}));
+    // legend: above the plot, right-aligned, wrapping into rows
+    const legend = svg("g", {class: "legend"});
+    series.forEach((s, i) => {
+      const row = Math.floor(i / perRow);
+      const inRow = Math.min(perRow, series.length - row * perRow);
+      const x = L + pw - inRow * ITEM + (i % perRow) * ITEM, y = 4 + row * 14;
+      legend.append(svg("g", {class: "legend-item", "data-rank": s.rank},
+        svg("rect", {x, y: y + 4, width: 14, height: 3, fill: color(s.rank)}),
+        svg("text", {x: x + 18, y: y + 9, text: `rank ${s.rank}`})));
+    });
+    parts.push(legend);
+    node.replaceChildren(...parts);
+    node.setAttribute("data-series", series.length);
+  }
+
+  // ------------------------------------------------------------------ log tail
+
+  async function refreshLog(d) {
+    const attempt = S.chartAttempt;
+    const rec = (d.attempts || []).find((a) => a.number === attempt);
+    if (!rec) return;
+    const world = rec.world_size || (attempt === d.attempt ? (d.ranks || []).length : 0);
+    const sel = $("#log-rank");
+    const hosts = new Map((attempt === d.attempt ? d.ranks || [] : []).map((r) => [r.global_rank, r.host]));
+    if (changed("log-options", [attempt, world, [...hosts]])) {
+      const opts = [];
+      for (let r = 0; r < world; r++) {
+        opts.push(el("option", {value: r, text: hosts.has(r) ? `${r} (${hosts.get(r)})` : String(r)}));
+      }
+      sel.replaceChildren(...opts);
+    }
+    if (!S.logPinned || S.logRank === null || S.logRank >= world) {
+      const failed = causeRank(rec.cause);
+      S.logRank = failed !== null && failed < world ? failed : 0;
+      S.logPinned = false;
+    }
+    if (!world) return;
+    sel.value = String(S.logRank);
+    const key = `${d.id}/${attempt}/${S.logRank}`;
+    if (S.logDone === key) return;
+    const res = await getJSON(`/api/jobs/${encodeURIComponent(d.id)}/logs?rank=${S.logRank}&attempt=${attempt}` +
+                              `&offset=-1&limit=${LOG_BYTES}`);
+    if (`${S.jobId}/${S.chartAttempt}/${S.logRank}` !== key) return;
+    let lines = res.data.split("\n");
+    if (res.offset - new Blob([res.data]).size > 0) lines = lines.slice(1);   // a partial first line
+    if (lines.length && lines[lines.length - 1] === "") lines.pop();
+    lines = lines.slice(-LOG_LINES);
+    const pre = $("#log-tail");
+    const text = lines.join("\n");
+    $("#log-info").textContent = `last ${lines.length} lines of ${res.path}` + (res.eof ? " · ended" : " · live");
+    pre.setAttribute("data-rank", S.logRank);
+    pre.setAttribute("data-attempt", attempt);
+    if (pre.textContent !== text) {
+      const atBottom = pre.scrollTop + pre.clientHeight >= pre.scrollHeight - 4 || !pre.textContent;
+      pre.textContent = text || "(empty)";
+      if (atBottom) pre.scrollTop = pre.scrollHeight;
+    }
+    if (res.eof) S.logDone = key;
+  }
+
+  // ------------------------------------------------------------------ start
+
+  $("#chart-attempt").addEventListener("change", (e) => {
+    S.chartAttempt = Number(e.target.value);
+    S.attemptPinned = S.detail ? S.chartAttempt !== S.detail.attempt : true;
+    S.logPinned = false;
+    S.logDone = null;
+    schedule(0);
+  });
+  $("#log-rank").addEventListener("change", (e) => {
+    S.logRank = Number(e.target.value);
+    S.logPinned = true;
+    S.logDone = null;
+    schedule(0);
+  });
+  window.addEventListener("hashchange", route);
+  route();
+})();

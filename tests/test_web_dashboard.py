@@ -1,0 +1,293 @@
+"""The live web dashboard of ``orch server``, end to end in a real headless browser.
+
+A real ``orch server`` on a free port, real DeepSpeed training jobs (examples/train_gpt.py on
+2 local "nodes", submitted with ``orch submit``) and Debian's Chromium driven by Selenium. The
+page is opened once and never reloaded while jobs come, train, succeed and fail.
+
+Screenshots go to ``$ORCH_TEST_ARTIFACTS`` (default ``<repo>/test-artifacts/``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from conftest import ROOT, Orch, assert_no_leftovers, wait_for
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import helpers_train
+
+pytestmark = pytest.mark.integration
+
+EXAMPLES = ROOT / "examples"
+CHROMIUM = "/usr/bin/chromium"
+CHROMEDRIVER = "/usr/bin/chromedriver"
+TINY = ["--n-layer", "1", "--d-model", "32", "--n-head", "2", "--seq-len", "32", "--corpus-bytes", "200000",
+        "--log-interval", "0"]
+# 40-60 steps/s here once started: 25-40 s of training after a 10-40 s DeepSpeed start-up
+STEPS = 1500
+ARTIFACTS = Path(os.environ.get("ORCH_TEST_ARTIFACTS") or ROOT / "test-artifacts")
+
+# read the page in one script each, so a re-render between two WebDriver calls cannot interfere
+RANKS_JS = """return [...document.querySelectorAll('#ranks-table tr.rank-row')].map(tr => ({
+  rank: +tr.dataset.rank, state: tr.dataset.state,
+  step: tr.querySelector('td.rank-step').textContent.trim()}));"""
+SERIES_JS = """return Object.fromEntries([...document.querySelectorAll(arguments[0] + ' polyline.series')]
+  .map(p => [p.dataset.rank, +p.dataset.points]));"""
+JOB_STATE_JS = "const h = document.querySelector('#job-header'); return h && h.dataset.state;"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ds_ops() -> None:
+    """Build or load DeepSpeed's CPU ops once, not in every rank at once."""
+    helpers_train.prebuild_ops()
+
+
+@pytest.fixture(scope="module")
+def orch_m(tmp_path_factory) -> Orch:
+    state = tmp_path_factory.mktemp("web") / "state"
+    state.mkdir()
+    return Orch(state)
+
+
+@pytest.fixture(scope="module")
+def server(orch_m):
+    port = _free_port()
+    proc = orch_m.popen("server", "--port", str(port))
+    url = f"http://127.0.0.1:{port}"
+
+    def up() -> bool:
+        try:
+            return httpx.get(f"{url}/api/health", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+    wait_for(up, 30, "the server to answer")
+    yield proc, url
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+
+
+@pytest.fixture(scope="module")
+def browser():
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    for path in (CHROMIUM, CHROMEDRIVER):
+        if not os.access(path, os.X_OK):
+            pytest.fail(f"{path} is missing: install Debian's chromium and chromium-driver", pytrace=False)
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = CHROMIUM
+    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--window-size=1280,900"):
+        opts.add_argument(arg)
+    opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=opts)
+    driver.set_page_load_timeout(30)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+def _spec(write_spec, hostfile, name: str, extra: list[str] = ()) -> Path:
+    return write_spec(
+        name=name, hostfile=str(hostfile("node-0 slots=1\nnode-1 slots=1\n")), launcher="pdsh",
+        workdir=str(EXAMPLES), entrypoint="train_gpt.py", args=TINY + ["--steps", str(STEPS), *extra],
+        deepspeed_config=str(EXAMPLES / "ds_zero2.json"), stop_grace_seconds=5,
+        env={"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"})
+
+
+def _js(driver, script: str, *args: Any) -> Any:
+    return driver.execute_script(script, *args)
+
+
+def _screenshot(driver, name: str) -> Path:
+    """A screenshot of the whole page (the window grown to the page's height), at 1280 wide."""
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    path = ARTIFACTS / name
+    height = _js(driver, "return Math.max(document.documentElement.scrollHeight, document.body.scrollHeight)")
+    driver.set_window_size(1280, min(max(900, height + 140), 4000))
+    time.sleep(0.3)
+    try:
+        assert driver.save_screenshot(str(path)), f"could not save {path}"
+    finally:
+        driver.set_window_size(1280, 900)
+    print(f"\nscreenshot: {path}")
+    return path
+
+
+def _severe_console_errors(driver) -> list[str]:
+    return [e["message"] for e in driver.get_log("browser") if e["level"] == "SEVERE"]
+
+
+def _is_red(css_color: str) -> bool:
+    r, g, b = (int(x) for x in re.findall(r"\d+", css_color)[:3])
+    return r >= 150 and g <= 110 and b <= 110
+
+
+def test_page_and_static_files_are_served(server) -> None:
+    _, url = server
+    page = httpx.get(f"{url}/")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert '<script src="/static/app.js"></script>' in page.text and "/static/style.css" in page.text
+    assert "http://" not in page.text and "https://" not in page.text  # nothing from elsewhere
+    js = httpx.get(f"{url}/static/app.js")
+    assert js.status_code == 200 and "javascript" in js.headers["content-type"]
+    assert "/api/jobs" in js.text
+    css = httpx.get(f"{url}/static/style.css")
+    assert css.status_code == 200 and css.headers["content-type"].startswith("text/css")
+    assert httpx.get(f"{url}/static/nope.js").status_code == 404
+    assert httpx.get(f"{url}/api/health").json()["ok"] is True  # the API is still there
+
+
+def test_a_training_job_is_followed_live(server, browser, orch_m, write_spec, hostfile) -> None:
+    _, url = server
+    driver = browser
+    driver.get(f"{url}/")
+    wait_for(lambda: re.fullmatch(r"updated \d\d:\d\d:\d\d", driver.find_element("id", "updated").text), 10,
+             "the first refresh")
+    _js(driver, "window.__not_reloaded = true;")
+
+    t0 = time.monotonic()
+    job_id = orch_m.json("submit", str(_spec(write_spec, hostfile, "web-train")), check=True)["id"]
+    # the job appears in the list without a reload
+    row = wait_for(lambda: driver.find_elements("css selector", f'tr.job-row[data-job-id="{job_id}"]'), 10,
+                   "the job in the list")[0]
+    assert _js(driver, "return window.__not_reloaded === true")
+    assert row.find_element("css selector", "td.job-name").text == "web-train"
+    row.click()
+    wait_for(lambda: driver.current_url.endswith(f"#/jobs/{job_id}"), 5, "the job's URL")
+    wait_for(lambda: driver.find_element("id", "job-body").is_displayed(), 10, "the job's page")
+    assert not driver.find_element("id", "jobs-view").is_displayed()
+
+    # its ranks run: both listed as running, on two nodes
+    wait_for(lambda: [r["state"] for r in _js(driver, RANKS_JS)] == ["running", "running"], 120,
+             "both ranks running on the page")
+    print(f"\nranks running {time.monotonic() - t0:.1f} s after submit")
+    nodes = _js(driver, "return [...document.querySelectorAll('#nodes .node')].map(n => n.dataset.state)")
+    assert nodes == ["running", "running"]
+
+    # the loss chart gets points of both ranks, and more as training goes on
+    def loss_points(more_than: dict[str, int]) -> dict[str, int] | None:
+        series = _js(driver, SERIES_JS, "svg#loss-chart")
+        return series if all(series.get(k, 0) > more_than[k] for k in ("0", "1")) else None
+
+    first = wait_for(lambda: loss_points({"0": 0, "1": 0}), 120, "loss points of both ranks")
+    t_points = time.monotonic()
+    print(f"first loss points {t_points - t0:.1f} s after submit: {first}")
+    steps_before = {r["rank"]: int(r["step"]) for r in _js(driver, RANKS_JS) if r["step"].isdigit()}
+    grown = wait_for(lambda: loss_points(first), 30, "more loss points")
+    # the step values shown increase
+    wait_for(lambda: all(r["step"].isdigit() and int(r["step"]) > steps_before.get(r["rank"], 0)
+                         for r in _js(driver, RANKS_JS)), 30, "the steps shown to increase")
+    assert [r["state"] for r in _js(driver, RANKS_JS)] == ["running", "running"], "the job ended too early"
+    wait_for(lambda: all(v >= 1 for v in _js(driver, SERIES_JS, "svg#rate-chart").values())
+             and len(_js(driver, SERIES_JS, "svg#rate-chart")) == 2, 30, "step rates of both ranks")
+    legend = _js(driver, "return [...document.querySelectorAll('svg#loss-chart .legend-item')]"
+                         ".map(g => g.textContent)")
+    assert legend == ["rank 0", "rank 1"]
+    ticks = _js(driver, "return document.querySelectorAll('svg#loss-chart text.tick').length")
+    assert ticks >= 4
+    assert driver.find_element("id", "chart-attempt").get_attribute("value") == "1"
+    # the log tail of rank 0 (the default) refreshes with its training lines
+    wait_for(lambda: "[train] step=" in driver.find_element("id", "log-tail").text, 10, "rank 0's log lines")
+    assert driver.find_element("id", "log-tail").get_attribute("data-rank") == "0"
+    assert _js(driver, "return window.__not_reloaded === true")
+    print(f"loss points per rank grew from {first} to {grown}")
+    wait_for(lambda: loss_points({"0": 5, "1": 5}), 30, "6 loss points per rank (for the screenshot)")
+    _screenshot(driver, f"dashboard-running-{job_id}.png")
+
+    # it ends: the page follows to SUCCEEDED with every step shown, still without a reload
+    wait_for(lambda: _js(driver, JOB_STATE_JS) == "SUCCEEDED", 240, "SUCCEEDED on the page", interval=0.5)
+    print(f"trained {time.monotonic() - t_points:.1f} s after the first points; "
+          f"SUCCEEDED {time.monotonic() - t0:.1f} s after submit")
+    wait_for(lambda: [(r["state"], r["step"]) for r in _js(driver, RANKS_JS)] ==
+             [("exited", str(STEPS)), ("exited", str(STEPS))], 10, "both ranks exited at the last step")
+    api = httpx.get(f"{url}/api/jobs/{job_id}/progress").json()
+    wait_for(lambda: sum(_js(driver, SERIES_JS, "svg#loss-chart").values()) == len(api["points"]), 5,
+             "every reported point on the chart")
+    points = _js(driver, SERIES_JS, "svg#loss-chart")
+    print(f"loss points per rank at the end: {points}")
+    assert _js(driver, "return window.__not_reloaded === true")
+    # the page reads only from its own server
+    foreign = _js(driver, "return performance.getEntriesByType('resource').map(e => e.name)"
+                          ".filter(n => !n.startsWith(location.origin))")
+    assert foreign == []
+    assert _severe_console_errors(driver) == []
+    assert_no_leftovers(job_id)
+
+
+def test_a_failed_job_shows_its_cause_and_the_failed_ranks_log(server, browser, orch_m, write_spec,
+                                                              hostfile) -> None:
+    _, url = server
+    driver = browser
+    spec = _spec(write_spec, hostfile, "web-fail", ["--fail-at-step", "30", "--fail-rank", "1"])
+    t0 = time.monotonic()
+    job_id = orch_m.json("submit", str(spec), check=True)["id"]
+    driver.get(f"{url}/#/jobs/{job_id}")  # a shared link opens the job directly
+    wait_for(lambda: _js(driver, JOB_STATE_JS) in ("PROVISIONING", "RUNNING"), 30, "the job's page")
+    wait_for(lambda: _js(driver, JOB_STATE_JS) == "FAILED", 180, "FAILED on the page", interval=0.5)
+    print(f"\nFAILED on the page {time.monotonic() - t0:.1f} s after submit")
+
+    badge = driver.find_element("css selector", "#job-header .badge")
+    assert badge.text == "FAILED" and _is_red(badge.value_of_css_property("background-color"))
+    cause = wait_for(lambda: driver.find_elements("css selector",
+                                                  '#attempts-table tr.attempt[data-attempt="1"] .cause'), 10,
+                     "the attempt's cause")[0]
+    message = cause.find_element("css selector", ".cause-message").text
+    assert re.search(r"rank 1 \(local rank 0\) on node-1 \(node 1\) exited with exit code 1", message), message
+    assert cause.is_displayed() and _is_red(cause.value_of_css_property("color")), \
+        cause.value_of_css_property("color")
+    tail = driver.find_element("css selector", '#attempts-table tr.attempt-tail[data-attempt="1"] pre')
+    assert "failing on purpose after step 30 on rank 1" in tail.get_attribute("textContent")
+    # the ranks: rank 1 failed, rank 0 was stopped by orch
+    wait_for(lambda: [r["state"] for r in _js(driver, RANKS_JS)] == ["stopped", "failed"], 10,
+             "rank states after the failure")
+    # the log panel shows the failed rank's log (chosen by default)
+    wait_for(lambda: driver.find_element("id", "log-tail").get_attribute("data-rank") == "1"
+             and "failing on purpose" in driver.find_element("id", "log-tail").text, 10, "rank 1's log tail")
+    log = driver.find_element("id", "log-tail").text
+    assert re.search(r"^\[train\] step=\d+ rank=1 ", log, re.MULTILINE) and not re.search(r"\brank=0 ", log), log
+    assert driver.find_element("id", "log-rank").get_attribute("value") == "1"
+    _screenshot(driver, f"dashboard-failed-{job_id}.png")
+
+    # back to the list: both jobs, the failed one with its cause
+    driver.find_element("id", "home").click()
+    wait_for(lambda: len(driver.find_elements("css selector", "tr.job-row")) == 2, 10, "both jobs listed")
+    states = _js(driver, "return [...document.querySelectorAll('tr.job-row')].map(r => r.dataset.state)")
+    assert states == ["FAILED", "SUCCEEDED"]  # newest first
+    assert "exited with exit code 1" in driver.find_element(
+        "css selector", f'tr.job-row[data-job-id="{job_id}"] td.cause-cell').text
+    assert _severe_console_errors(driver) == []
+    assert_no_leftovers(job_id)
+
+
+def test_an_unknown_job_and_a_stopped_server_are_reported(server, browser) -> None:
+    proc, url = server
+    driver = browser
+    driver.get(f"{url}/#/jobs/no-such-job")
+    wait_for(lambda: driver.find_element("id", "job-missing").is_displayed(), 10, "the unknown-job notice")
+    assert "No job 'no-such-job'" in driver.find_element("id", "job-missing").text
+    assert not driver.find_element("id", "job-body").is_displayed()
+    driver.find_element("css selector", "#job-header a[href='#/']").click()
+    wait_for(lambda: len(driver.find_elements("css selector", "tr.job-row")) == 2, 10, "the list again")
+    assert not driver.find_element("id", "conn-lost").is_displayed()
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(60) == 0
+    wait_for(lambda: driver.find_element("id", "conn-lost").is_displayed(), 15, "the connection-lost notice")
+    assert "connection lost" in driver.find_element("id", "conn-lost").text
+    assert len(driver.find_elements("css selector", "tr.job-row")) == 2  # what was shown stays
