@@ -320,9 +320,7 @@ def _follow_embedded(controller: Any, job_id: str, args: argparse.Namespace, sin
         if interrupted["n"] == 1:
             name = "Ctrl-C" if sig == signal.SIGINT else signal.Signals(sig).name
             _err.print(f"Cancelling the job ({name}; again to leave at once)...", markup=False, highlight=False)
-            run = controller.active_run(job_id)
-            if run is not None:
-                run.cancel(f"cancelled by the user ({name} to orch)")
+            controller.cancel(job_id, f"cancelled by the user ({name} to orch)")
         else:
             raise KeyboardInterrupt
 
@@ -333,7 +331,8 @@ def _follow_embedded(controller: Any, job_id: str, args: argparse.Namespace, sin
         if live:
             with Live(_render_detail(job_detail(controller.store, job_id)), console=_console,
                       refresh_per_second=4, transient=False) as view:
-                while run is not None and not run.done.wait(0.5):
+                while controller.busy(job_id):
+                    time.sleep(0.5)
                     view.update(_render_detail(job_detail(controller.store, job_id)))
                 view.update(_render_detail(job_detail(controller.store, job_id)))
         else:
@@ -366,7 +365,9 @@ def _follow_plain(controller: Any, job_id: str, run: Any, args: argparse.Namespa
 
     seen_event, last_print, last_steps, running_since = since_event, 0.0, None, None
     while True:
-        finished = run is None or run.done.wait(0.5)
+        finished = not controller.busy(job_id)
+        if not finished:
+            time.sleep(0.5)
         for ev in controller.store.events(job_id, since_id=seen_event):
             seen_event = ev.id
             if ev.kind == "state":
@@ -376,6 +377,10 @@ def _follow_plain(controller: Any, job_id: str, run: Any, args: argparse.Namespa
                 last_print = time.monotonic()
             elif ev.kind == "warning":
                 say(f"warning: {ev.data.get('message')}", ev.at)
+            elif ev.kind == "restart_scheduled":
+                say(f"restart {ev.data['restart']} of {ev.data['max_restarts']} in {ev.data['in_seconds']:.0f} s"
+                    + (f" without {', '.join(ev.data['exclude_hosts'])}" if ev.data.get("exclude_hosts") else "")
+                    + " (restart policy)", ev.at)
             elif ev.kind == "cause_revised":
                 say(f"root cause of attempt {ev.attempt}: {(ev.data.get('cause') or {}).get('message')}", ev.at)
         d = job_detail(controller.store, job_id)

@@ -36,7 +36,7 @@ from typing import Any, Callable
 import psutil
 
 from .checkpoints import latest_complete
-from .errors import FilterError, HostfileError, OrchError, ProvisionError, StateError
+from .errors import FilterError, HostfileError, OrchError, ProvisionError, SpecError, StateError
 from .hostfile import ResourcePool, load_hostfile, resolve_pool
 from .launchers.deepspeed import ACCELERATOR_EXPORT_PREFIXES, deepspeed_env_files
 from .metrics import ControllerMetrics, TargetsWriter, attempt_targets, default_targets_dir
@@ -116,6 +116,8 @@ def prepare_plan(spec: JobSpec, state_dir: str | Path, job_id: str, *, attempt: 
     provisioner = get_provisioner(spec.provisioner, spec)
     pool = _pool(spec, provisioner)
     provisioner.check(pool)
+    if attempt == 1:  # a restart that has just used the spare must still run
+        _check_restart_policy(spec, provisioner, pool)
     master_addr = spec.master_addr or provisioner.master_addr(pool.hosts[0])
     lease = reserve_port(default_lock_dir(), spec.master_port, master_addr,
                          check_bind=spec.provisioner == "local", hold=hold_port)
@@ -134,6 +136,28 @@ def prepare_plan(spec: JobSpec, state_dir: str | Path, job_id: str, *, attempt: 
     except BaseException:
         lease.release()
         raise
+
+
+def _check_restart_policy(spec: JobSpec, provisioner: Provisioner, pool: ResourcePool) -> None:
+    """A policy that restarts without a lost node needs a spare host to put in its place.
+
+    Raises:
+        SpecError: ``exclude_failed_nodes`` with no host left over for a restart.
+    """
+    policy = spec.restart
+    if not (policy.exclude_failed_nodes and policy.max_restarts and "node_lost" in policy.retry_on):
+        return
+    every = _pool(spec.model_copy(update={"num_nodes": -1}), provisioner)
+    if len(every.nodes) > len(pool.nodes):
+        return
+    if spec.num_nodes != -1:
+        why = (f"num_nodes is {spec.num_nodes} and the hostfile (after the filters) has no host beyond them: "
+               f"a restart without a lost node would have nowhere to go")
+    else:
+        why = ("the job uses every host of the hostfile (num_nodes not set): a restart without a lost node "
+               "would run on fewer nodes, and orch cannot yet load a ZeRO checkpoint at a smaller world size")
+    raise SpecError(f"restart.exclude_failed_nodes: {why}. Add a spare host to the hostfile, set num_nodes below "
+                    f"its {len(every.nodes)} host(s), or turn exclude_failed_nodes off.")
 
 
 def _pool(spec: JobSpec, provisioner: Provisioner) -> ResourcePool:
@@ -539,6 +563,10 @@ class AttemptRun:
             self.lease.release()
             self.c.store.mark_stopped(self.job_id, self.plan.attempt)
             self.c.store.set_owner(self.job_id, None)
+            try:
+                self.c._attempt_ended(self)  # before done: whoever waits for the job sees a restart coming
+            except Exception:  # noqa: BLE001 - the attempt must still end
+                self._log(traceback.format_exc())
             self.done.set()
 
     def _lost_while_stopping(self) -> set[int]:
@@ -666,6 +694,7 @@ class Controller:
         self.targets = TargetsWriter(Path(prometheus_targets).expanduser() if prometheus_targets
                                      else default_targets_dir(self.state_dir))
         self._runs: dict[str, AttemptRun] = {}
+        self._restarts: dict[str, threading.Event] = {}  # job id -> set to call a pending restart off
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._watcher = threading.Thread(target=self._watch_requests, name="cancel-watcher", daemon=True)
@@ -705,7 +734,7 @@ class Controller:
         self._start_attempt(spec, plan, lease, provisioner)
         return self.store.get_job(job_id)
 
-    def resume(self, job_id: str, exclude_hosts: list[str] | None = None) -> JobRecord:
+    def resume(self, job_id: str, exclude_hosts: list[str] | None = None, automatic: bool = False) -> JobRecord:
         """Start a new attempt of a FAILED or CANCELLED job from its last complete checkpoint.
 
         Args:
@@ -722,6 +751,8 @@ class Controller:
         """
         self.recover()
         job = self.store.get_job(job_id)
+        if not automatic:
+            self._call_off_restart(job.id, "resumed by hand")
         if not job.state.is_resumable():
             hint = (f" Cancel it first (orch cancel {job.id}) to resume it from its last checkpoint."
                     if not job.state.is_terminal() else "")
@@ -744,7 +775,7 @@ class Controller:
         try:
             provisioner = self.provisioner_factory(spec.provisioner, spec)
             self.store.set_state(job.id, JobState.PENDING, data={
-                "resume_tag": info.tag if info else None, "exclude_hosts": spec.exclude_hosts,
+                "resume_tag": info.tag if info else None, "exclude_hosts": spec.exclude_hosts, "automatic": automatic,
                 "skipped_checkpoints": [{"tag": s.tag, "problems": list(s.problems)} for s in skipped]})
             if exclude_hosts:
                 self.store.update_spec(job.id, spec.to_dict())
@@ -755,18 +786,22 @@ class Controller:
         self._start_attempt(spec, plan, lease, provisioner)
         return self.store.get_job(job.id)
 
-    def cancel(self, job_id: str) -> JobRecord:
+    def cancel(self, job_id: str, reason: str = "cancelled by the user") -> JobRecord:
         """Cancel a job: its ranks are stopped within the grace period.
 
         A job run by another controller is cancelled through the store (that controller
-        polls for requests). Cancelling a job that already ended is a no-op.
+        polls for requests). A FAILED job waiting for an automatic restart keeps its state
+        and is not restarted. Cancelling a job that already ended is otherwise a no-op.
         """
         job = self.store.get_job(job_id)
         if job.state.is_terminal():
-            return job
+            if not self._call_off_restart(job.id, reason) and _owner_alive(job.owner) \
+                    and job.owner != self.owner:
+                self.store.request_cancel(job.id)  # its controller may have a restart pending
+            return self.store.get_job(job.id)
         run = self.active_run(job.id)
         if run is not None:
-            run.cancel()
+            run.cancel(reason)
         elif _owner_alive(job.owner):
             self.store.request_cancel(job.id)
         else:  # its controller is gone (and with it the agents): sweep, then record
@@ -780,12 +815,90 @@ class Controller:
         return self.store.get_job(job.id)
 
     def wait(self, job_id: str, timeout: float | None = None) -> JobRecord:
-        """Wait until the job's current attempt ended and its processes are gone."""
+        """Wait until the job's current attempt ended, its processes are gone and no automatic
+        restart is pending (a restart's attempt is waited for too)."""
         job = self.store.get_job(job_id)
-        run = self._runs.get(job.id)
-        if run is not None:
-            run.done.wait(timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.busy(job.id) and (deadline is None or time.monotonic() < deadline):
+            time.sleep(0.1)
         return self.store.get_job(job.id)
+
+    def busy(self, job_id: str) -> bool:
+        """Whether this controller runs an attempt of the job or will restart it."""
+        with self._lock:
+            return job_id in self._restarts or (job_id in self._runs and not self._runs[job_id].done.is_set())
+
+    # -- automatic restarts (the spec's restart policy) ----------------------------------------
+
+    def _attempt_ended(self, run: AttemptRun) -> None:
+        """After an attempt stopped: restart the job later if its policy says so."""
+        if self._closed.is_set():
+            return
+        try:
+            job = self.store.get_job(run.job_id)
+            policy = run.spec.restart
+            if job.state != JobState.FAILED or policy.max_restarts == 0 or job.attempt != run.plan.attempt:
+                return
+            done = sum(1 for e in self.store.events(job.id) if e.kind == "restart_scheduled")
+            cause = job.cause or {}
+            if not policy.retries(cause):
+                return
+            if done >= policy.max_restarts:
+                self.store.add_event(job.id, job.attempt, "warning", {
+                    "message": f"no automatic restart: the job was restarted {done} time(s), its max_restarts"})
+                return
+            delay = policy.backoff(done)
+            exclude = [cause["node"]] if policy.exclude_failed_nodes and cause.get("kind") == "node_lost" \
+                and cause.get("node") else []
+            self.store.add_event(job.id, job.attempt, "restart_scheduled", {
+                "restart": done + 1, "max_restarts": policy.max_restarts, "in_seconds": delay,
+                "exclude_hosts": exclude, "cause_kind": cause.get("kind")})
+        except OrchError as err:
+            self._log_restart_failure(run.job_id, f"cannot decide on a restart: {err}")
+            return
+        called_off = threading.Event()
+        with self._lock:
+            self._restarts[job.id] = called_off
+        self.store.set_owner(job.id, self.owner)  # so that `orch cancel` elsewhere reaches this controller
+        threading.Thread(target=self._restart_later, args=(job.id, delay, exclude, called_off),
+                         name=f"restart-{job.id}", daemon=True).start()
+
+    def _restart_later(self, job_id: str, delay: float, exclude: list[str], called_off: threading.Event) -> None:
+        try:
+            if called_off.wait(delay) or self._closed.is_set():
+                return
+            try:
+                self.resume(job_id, exclude_hosts=exclude, automatic=True)
+            except OrchError as err:
+                self._log_restart_failure(job_id, str(err))
+            except Exception as err:  # noqa: BLE001 - an orch bug: say so, never die silently
+                self._log_restart_failure(job_id, f"orch internal error: {err!r}")
+        finally:
+            with self._lock:
+                if self._restarts.get(job_id) is called_off:
+                    del self._restarts[job_id]
+            try:
+                job = self.store.get_job(job_id)
+                if job.state.is_terminal() and job.owner == self.owner:
+                    self.store.set_owner(job_id, None)  # no restart came of it
+            except Exception:  # noqa: BLE001 - the store may be closing
+                pass
+
+    def _call_off_restart(self, job_id: str, reason: str) -> bool:
+        with self._lock:
+            called_off = self._restarts.pop(job_id, None)
+        if called_off is None:
+            return False
+        called_off.set()
+        self.store.add_event(job_id, None, "restart_called_off", {"reason": reason})
+        return True
+
+    def _log_restart_failure(self, job_id: str, message: str) -> None:
+        try:
+            self.store.add_event(job_id, None, "restart_failed", {"message": message})
+            self.store.add_event(job_id, None, "warning", {"message": f"automatic restart failed: {message}"})
+        except Exception:  # noqa: BLE001 - the store may be closing
+            pass
 
     def recover(self) -> list[str]:
         """Fail the jobs whose controller died while they ran (see :func:`recover_orphans`)."""
@@ -797,6 +910,9 @@ class Controller:
         self._closed.set()
         with self._lock:
             runs = list(self._runs.values())
+            pending = list(self._restarts)
+        for job_id in pending:
+            self._call_off_restart(job_id, "the controller shut down")
         for run in runs:
             if cancel and not run.done.is_set():
                 run.cancel(reason)
@@ -835,6 +951,14 @@ class Controller:
                 try:
                     if self.store.get_job(run.job_id).cancel_requested:
                         run.cancel()
+                except (OrchError, Exception):  # noqa: BLE001 - store closed at shutdown
+                    continue
+            with self._lock:
+                pending = list(self._restarts)
+            for job_id in pending:
+                try:
+                    if self.store.get_job(job_id).cancel_requested:
+                        self._call_off_restart(job_id, "cancelled by the user")
                 except (OrchError, Exception):  # noqa: BLE001 - store closed at shutdown
                     continue
 

@@ -216,6 +216,7 @@ def orch_env(spec: JobSpec, inputs: PlanInputs, node_rank: int, host: str) -> di
         "ORCH_ATTEMPT": str(inputs.attempt),
         "ORCH_ATTEMPT_ID": inputs.attempt_id,
         "ORCH_RESTART_COUNT": str(inputs.attempt - 1),
+        "TORCHELASTIC_RESTART_COUNT": str(inputs.attempt - 1),  # what torchrun tells its workers
         "ORCH_NODE": host,
         "ORCH_NODE_RANK": str(node_rank),
         "ORCH_RUN_DIR": inputs.run_dir,
@@ -309,7 +310,7 @@ def make_plan(spec: JobSpec, pool: ResourcePool, inputs: PlanInputs) -> JobPlan:
         master_port=inputs.master_port, python=inputs.python, entrypoint=spec.entrypoint,
         args=tuple(args), workdir=spec.workdir, module=spec.module, no_python=spec.no_python,
         no_local_rank=spec.no_local_rank, exports=exports, run_id=inputs.job_id,
-        restart_count=inputs.attempt - 1, hostfile=spec.hostfile, include=spec.include,
+        restart_count=inputs.attempt - 1, max_restarts=spec.restart.max_restarts, hostfile=spec.hostfile, include=spec.include,
         exclude=spec.exclude, num_nodes=spec.num_nodes, num_gpus=spec.num_gpus)
     log_dir = os.path.join(inputs.run_dir, "logs")
     metrics_dir = os.path.join(inputs.node_metrics_dir, inputs.attempt_id)

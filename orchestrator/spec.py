@@ -76,6 +76,45 @@ class RayOptions(BaseModel):
     connect_timeout: float = Field(30.0, gt=0, le=600, description="Seconds to reach the cluster.")
 
 
+RETRY_CAUSES = ("rank_exit", "node_lost", "no_progress", "provision_failed")
+
+
+class RestartPolicy(BaseModel):
+    """When a FAILED attempt is restarted by itself (the spec's ``restart`` section).
+
+    A restart is ``orch resume`` done by the controller: a new attempt from the last
+    complete checkpoint, after ``backoff_seconds * backoff_factor ** (restarts so far)``
+    seconds (at most ``max_backoff_seconds``), like torchrun's ``--max-restarts``.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_restarts: int = Field(0, ge=0, le=10_000, description="Automatic restarts of the job at most; 0: none.")
+    backoff_seconds: float = Field(5.0, ge=0, le=3600, description="Wait before the first restart.")
+    backoff_factor: float = Field(2.0, ge=1, le=100, description="Each further restart waits this much longer.")
+    max_backoff_seconds: float = Field(300.0, ge=0, le=86400, description="The longest wait.")
+    retry_on: list[Literal["rank_exit", "node_lost", "no_progress", "provision_failed"]] = Field(
+        default_factory=lambda: ["rank_exit", "node_lost", "no_progress"],
+        description="Causes of failure that are restarted.")
+    retry_exit_codes: list[int] | None = Field(None, description="Only rank exits with these codes are "
+                                               "restarted (a signal is its negative number); null: any.")
+    exclude_failed_nodes: bool = Field(False, description="Restart without a lost node (a spare host of the "
+                                       "hostfile takes its place).")
+
+    def backoff(self, restarts_so_far: int) -> float:
+        """Seconds to wait before restart number ``restarts_so_far + 1``."""
+        return min(self.max_backoff_seconds, self.backoff_seconds * self.backoff_factor ** restarts_so_far)
+
+    def retries(self, cause: dict | None) -> bool:
+        """Whether a failure with ``cause`` (an attempt's cause dict) is one to restart."""
+        kind = (cause or {}).get("kind")
+        if kind not in self.retry_on:
+            return False
+        if kind == "rank_exit" and self.retry_exit_codes is not None:
+            return (cause or {}).get("returncode") in self.retry_exit_codes
+        return True
+
+
 class JobSpec(BaseModel):
     """A validated, frozen job spec. See ``docs/jobspec.md`` for every field.
 
@@ -116,6 +155,7 @@ class JobSpec(BaseModel):
     stop_grace_seconds: float = Field(10.0, gt=0, le=3600)
     ssh: SSHOptions = Field(default_factory=SSHOptions)
     ray: RayOptions = Field(default_factory=RayOptions)
+    restart: RestartPolicy = Field(default_factory=RestartPolicy)
     exclude_hosts: list[str] = Field(default_factory=list, description="Hosts never to use (e.g. lost "
                                      "nodes, added by `orch resume --exclude`); removed from the hostfile "
                                      "before the filters and num_nodes/num_gpus apply.")

@@ -218,6 +218,7 @@ ORCH_ADDED = {
     "ORCH_RUN_DIR": "the attempt's directory in orch's state dir (contract: ORCH_*)",
     "ORCH_CHECKPOINT_DIR": "orch's checkpoint directory (contract: ORCH_*)",
     "ORCH_REPORT_FILE": "where agents.report appends the rank's steps (contract: ORCH_*, docs/metrics.md)",
+    "TORCHELASTIC_RESTART_COUNT": "the restart count as torchrun gives it, for every launcher (contract)",
     "PROMETHEUS_MULTIPROC_DIR": "prometheus_client's multiprocess directory of the node's exporter "
                                 "(docs/metrics.md); set while the job exports metrics",
 }

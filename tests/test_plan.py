@@ -6,7 +6,7 @@ import collections
 
 import pytest
 
-from orchestrator.errors import LaunchError, PlanError
+from orchestrator.errors import LaunchError, PlanError, SpecError
 from orchestrator.hostfile import ResourcePool, resolve_pool
 from orchestrator.plan import PlanInputs, make_plan
 from orchestrator.spec import spec_from_dict
@@ -124,3 +124,19 @@ def test_deepspeed_csv_monitor_is_turned_on_into_the_node_local_metrics_dir(tmp_
     assert make_plan(_spec(tmp_path), _pool(("n0", 1)), _inputs()).nodes[0].deepspeed_monitor_dir is None
     with pytest.raises(PlanError, match="at most 65534"):
         make_plan(_spec(tmp_path, metrics_port=65535), _pool(("n0", 1), ("n1", 1)), _inputs())
+
+
+def test_restart_policy_reaches_the_ranks_and_its_rules(tmp_path) -> None:
+    spec = _spec(tmp_path, launcher="standard", restart={"max_restarts": 4, "retry_exit_codes": [3, -9]})
+    plan = make_plan(spec, _pool(("n0", 1)), _inputs(attempt=3))
+    env = plan.nodes[0].ranks[0].env
+    assert env["TORCHELASTIC_RESTART_COUNT"] == env["ORCH_RESTART_COUNT"] == "2"
+    assert env["TORCHELASTIC_MAX_RESTARTS"] == "4"  # torchrun's --max_restarts
+    policy = spec.restart
+    assert [policy.backoff(k) for k in range(4)] == [5, 10, 20, 40]
+    assert policy.retries({"kind": "rank_exit", "returncode": -9})
+    assert not policy.retries({"kind": "rank_exit", "returncode": 1})
+    assert policy.retries({"kind": "node_lost"}) and not policy.retries({"kind": "cancelled"})
+    assert _spec(tmp_path, restart={"backoff_seconds": 100, "max_backoff_seconds": 150}).restart.backoff(3) == 150
+    with pytest.raises(SpecError, match=r"restart\.retry_on\[0\]: Input should be 'rank_exit'"):
+        _spec(tmp_path, restart={"retry_on": ["oom"]})

@@ -350,6 +350,22 @@ def test_ranks_do_not_get_what_orchs_own_ray_driver_put_in_its_environment(orch,
         assert rep["env"].get("PYTHONBREAKPOINT") != "ray.util.rpdb._driver_set_trace", rank
 
 
+def test_address_auto_is_the_cluster_of_RAY_ADDRESS(orch, write_spec, hostfile, ray4, tmp_path) -> None:
+    cluster = ray4
+    out_dir = tmp_path / "where"
+    spec = _where_spec(write_spec, cluster, tmp_path, out_dir, hostfile_path=_hosts(hostfile, cluster, (1, 2)),
+                       ray={"address": "auto"})
+    env = cluster.env()  # RAY_ADDRESS=<head>:<port>, as `ray start` users have it
+    r = orch("run", str(spec), env=env, timeout=120)
+    assert r.returncode == 0, _out(r)
+    reports = _reports(out_dir)
+    assert [reports[g]["ip"] for g in (0, 1)] == [cluster.node_ip(1), cluster.node_ip(2)]
+    del env["RAY_ADDRESS"]
+    r = orch("plan", str(spec), env=env)
+    if not os.path.exists("/tmp/ray/ray_current_cluster"):  # what `ray start --head` leaves on its machine
+        assert r.returncode == 2 and "ray.address is 'auto' but no Ray cluster was started" in r.stderr, _out(r)
+
+
 @pytest.mark.parametrize("case", ["all", "exclude", "include"])
 def test_without_hostfile_the_pool_is_the_alive_nodes_with_cpus(orch, write_spec, ray4, tmp_path, case) -> None:
     cluster, net = ray4, ray4.net

@@ -1,0 +1,50 @@
+"""``provisioner: ray`` with ``ray.address: local`` (the default of the ray section): orch starts
+a one-node Ray on this machine for the job, builds the pool from it without a hostfile, runs
+the job there and leaves no Ray process behind when it exits."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import psutil
+import pytest
+
+from conftest import SCRIPTS, assert_no_leftovers
+
+pytestmark = pytest.mark.integration
+
+WORKER = str(SCRIPTS / "worker.py")
+
+
+def _ray_processes() -> dict[int, str]:
+    """Ray's own daemons on this machine (gcs_server, raylet, their workers)."""
+    out = {}
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        cmd = " ".join(p.info["cmdline"] or [])
+        if "gcs_server" in cmd or "/raylet" in cmd or cmd.startswith("ray::"):
+            out[p.info["pid"]] = cmd[:150]
+    return out
+
+
+def test_local_address_starts_ray_for_the_job_and_leaves_nothing(orch, write_spec, tmp_path) -> None:
+    before = _ray_processes()
+    env = {k: v for k, v in orch.env().items() if not k.startswith("RAY_")}
+    env["RAY_USAGE_STATS_ENABLED"] = "0"
+    spec = write_spec(name="raylocal", provisioner="ray", entrypoint=WORKER, stop_grace_seconds=2,
+                      env={"WORKER_STEPS": "3", "WORKER_STEP_S": "0.05"})
+    assert "ray:" not in Path(spec).read_text()  # the default ray section: address local
+    plan = orch.json("plan", str(spec), env=env, replace_env=True)
+    cpus = os.cpu_count()
+    assert len(plan["nodes"]) == 1 and plan["nodes"][0]["slots"] == list(range(cpus)), plan["nodes"]
+    host = plan["nodes"][0]["host"]
+    assert plan["master_addr"] == host
+    r = orch("run", str(spec), env=env, replace_env=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    (job,) = orch.json("list")
+    detail = orch.json("status", job["id"])
+    assert detail["state"] == "SUCCEEDED" and detail["nodes"] == [host]
+    assert [x["step"] for x in detail["ranks"]] == [3] * cpus
+    assert_no_leftovers(job["id"], timeout=5)
+    left = {pid: cmd for pid, cmd in _ray_processes().items() if pid not in before}
+    assert left == {}, left  # the Ray that orch started for the job went with it
