@@ -68,7 +68,10 @@ class Agent:
         self.metrics = NodeMetrics(self.node.get("metrics_dir"), self.node["node_rank"],
                                    prometheus=self.node.get("metrics_port") is not None)
         self.progress = ProgressReader(self.metrics, [r["global_rank"] for r in self.node["ranks"]],
-                                       self.node.get("deepspeed_monitor_dir"))
+                                       self.node.get("deepspeed_monitor_dir"),
+                                       logs={r["global_rank"]: os.path.join(self.node["log_dir"],
+                                                                            f"rank-{r['global_rank']}.log")
+                                             for r in self.node["ranks"]})
         self._progress_sent = 0.0
         self._signalled: int | None = None
         self._finished = threading.Event()
@@ -184,6 +187,8 @@ class Agent:
                     return self._stop(msg.get("reason", "stop requested"))
                 if kind == "eof":
                     return self._stop("controller went away (end of stream)", report=False)
+                if kind == "dump":
+                    threading.Thread(target=self._dump_stacks, name="stack-dumps", daemon=True).start()
             if self._signalled is not None:
                 return self._stop_on_own(f"the agent received {signal.Signals(self._signalled).name}")
             if now - last_heard > self.lease_s:
@@ -212,6 +217,37 @@ class Agent:
             self.metrics.rank_exited(proc.pid)
             self.writer.send({"type": "rank_exit", "global_rank": proc.global_rank, "returncode": code,
                               "how": describe_returncode(code), "at": time.time()})
+
+    def _dump_stacks(self) -> None:
+        """Write every running rank's Python stacks (all threads, ``py-spy dump``) next to its log,
+        ``rank-<global rank>.stacks.txt``, then tell the controller (``dumped``)."""
+        import shutil
+        import subprocess
+        py_spy = shutil.which("py-spy", path=os.path.dirname(sys.executable)) or shutil.which("py-spy")
+        files: dict[str, str] = {}
+        errors: dict[str, str] = {}
+
+        def dump(proc: RankProcess) -> None:
+            path = os.path.join(self.node["log_dir"], f"rank-{proc.global_rank}.stacks.txt")
+            if py_spy is None:
+                errors[str(proc.global_rank)] = "py-spy is not installed on this node"
+                return
+            try:
+                r = subprocess.run([py_spy, "dump", "--pid", str(proc.pid)], capture_output=True, text=True,
+                                   timeout=20)
+                text = r.stdout + (f"\n(py-spy exited {r.returncode}: {r.stderr.strip()})" if r.returncode else "")
+            except (OSError, subprocess.TimeoutExpired) as err:
+                text = f"(py-spy failed: {err})"
+            with open(path, "w") as f:
+                f.write(f"stacks of rank {proc.global_rank} (pid {proc.pid}) at {time.strftime('%H:%M:%S')}\n")
+                f.write(text)
+            files[str(proc.global_rank)] = path
+        threads = [threading.Thread(target=dump, args=(p,)) for p in self.ranks if p.global_rank not in self.exited]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        self.writer.send({"type": "dumped", "files": files, "errors": errors})
 
     def _stop_on_own(self, reason: str) -> int:
         """Stop without being told to: say why first, so the controller records the cause."""

@@ -22,6 +22,7 @@ import csv
 import io
 import json
 import os
+import re
 import shutil
 import threading
 import time
@@ -102,6 +103,10 @@ def _finite(value: Any) -> float | None:
     return value
 
 
+_LOG_STEP = re.compile(r"\bstep=(\d+)")
+_LOG_LOSS = re.compile(r"\bloss=([-+]?(?:\d+\.?\d*(?:[eE][-+]?\d+)?|nan|inf))")
+
+
 class _Tail:
     """Reads the complete lines appended to a file since the last call."""
 
@@ -127,8 +132,9 @@ class _Tail:
 
 
 class ProgressReader:
-    """The latest step of every rank of a node, from the ranks' report files and (for rank 0,
-    when it does not report itself) DeepSpeed's CSV monitor.
+    """The latest step of every rank of a node, from the ranks' report files, (for rank 0, when
+    it does not report itself) DeepSpeed's CSV monitor, and else the ``step=<n>`` (``loss=<x>``)
+    lines of the rank's log (the form docs/contract.md asks scripts to print).
 
     Args:
         metrics: the node's :class:`NodeMetrics`.
@@ -137,12 +143,14 @@ class ProgressReader:
 
     ``latest[rank]`` is a dict with ``step``, ``at`` and whichever of ``loss``, ``lr``,
     ``samples``, ``tokens``, ``step_seconds``, ``samples_per_second``,
-    ``tokens_per_second``, ``source`` ("report" or "deepspeed") are known; ``totals[rank]``
+    ``tokens_per_second``, ``source`` ("report", "deepspeed" or "log") are known; ``totals[rank]``
     sums ``samples`` and ``tokens``.
     """
 
-    def __init__(self, metrics: NodeMetrics, ranks: Iterable[int], deepspeed_dir: str | None = None) -> None:
+    def __init__(self, metrics: NodeMetrics, ranks: Iterable[int], deepspeed_dir: str | None = None,
+                 logs: dict[int, str] | None = None) -> None:
         self.ranks = list(ranks)
+        self._logs = {r: _Tail(path) for r, path in (logs or {}).items()}
         self.latest: dict[int, dict[str, Any]] = {}
         self.totals: dict[int, dict[str, float]] = {}
         self._tails = {r: _Tail(os.path.join(metrics.report_dir, f"rank-{r}.jsonl"))
@@ -165,6 +173,16 @@ class ProgressReader:
                     self._take(rank, point, "report")
             if self._ds_dir and self.latest.get(0, {}).get("source") != "report":
                 self._poll_deepspeed()
+            for rank, tail in self._logs.items():
+                lines = tail.lines()
+                if self.latest.get(rank, {}).get("source") in ("report", "deepspeed"):
+                    continue
+                for line in lines:
+                    m = _LOG_STEP.search(line)
+                    if m:
+                        loss = _LOG_LOSS.search(line)
+                        self._take(rank, {"step": int(m.group(1)), "at": time.time(),
+                                          "loss": loss.group(1) if loss else None}, "log")
 
     def _take(self, rank: int, point: dict[str, Any], source: str) -> None:
         point = {k: (_finite(v) if k != "step" else int(v)) for k, v in point.items() if k != "source"}

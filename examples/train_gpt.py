@@ -105,6 +105,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="fail on purpose (an exception on --fail-rank) after this step, on the job's first "
                    "attempt only ($ORCH_ATTEMPT unset or 1), to show failure handling and resume")
     p.add_argument("--fail-rank", type=int, default=0, help="the global rank that fails with --fail-at-step")
+    p.add_argument("--hang-at-step", type=int, default=None,
+                   help="hang on purpose (sleep forever before the next step's collectives, on --hang-rank) after "
+                        "this step, on the job's first attempt only: the other ranks block in their next all-reduce")
+    p.add_argument("--hang-rank", type=int, default=0, help="the global rank that hangs with --hang-at-step")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--log-interval", type=int, default=10, help="human summary on rank 0 every N steps")
     p.add_argument("--no-report", action="store_true", help="do not report steps to orch's metrics "
@@ -354,6 +358,13 @@ def atomic_write_bytes(path: Path, write) -> None:
 # --------------------------------------------------------------------------- main
 
 
+def hang_forever(step: int, rank: int) -> None:
+    """--hang-at-step: block this rank for good (a stuck data loader, a deadlock), as a stack dump shows."""
+    print(f"[hang] rank={rank} global_step={step} hanging on purpose (--hang-at-step)", flush=True)
+    while True:
+        time.sleep(3600)
+
+
 def main(argv=None) -> int:
     t_start = time.time()
     # DeepSpeed's ZeRO code calls the deprecated all_gather_into_tensor each step: noise on every rank.
@@ -464,6 +475,9 @@ def main(argv=None) -> int:
         if step == args.fail_at_step and global_rank == args.fail_rank and \
                 os.environ.get("ORCH_ATTEMPT", "1") == "1":
             raise RuntimeError(f"failing on purpose after step {step} on rank {global_rank} (--fail-at-step)")
+        if step == args.hang_at_step and global_rank == args.hang_rank and \
+                os.environ.get("ORCH_ATTEMPT", "1") == "1":
+            hang_forever(step, global_rank)
     if ckpt_dir and args.save_final and step == args.steps and step > start_step and not (
             args.checkpoint_interval > 0 and step % args.checkpoint_interval == 0):
         save(step)

@@ -377,6 +377,9 @@ def _follow_plain(controller: Any, job_id: str, run: Any, args: argparse.Namespa
                 last_print = time.monotonic()
             elif ev.kind == "warning":
                 say(f"warning: {ev.data.get('message')}", ev.at)
+            elif ev.kind == "hang_detected":
+                say(f"no progress on rank(s) {', '.join(map(str, ev.data.get('ranks', [])))}: dumping every rank's "
+                    "stacks, then failing the attempt", ev.at)
             elif ev.kind == "restart_scheduled":
                 say(f"restart {ev.data['restart']} of {ev.data['max_restarts']} in {ev.data['in_seconds']:.0f} s"
                     + (f" without {', '.join(ev.data['exclude_hosts'])}" if ev.data.get("exclude_hosts") else "")

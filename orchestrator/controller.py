@@ -247,6 +247,8 @@ class AttemptRun:
         self._last_ping = 0.0
         self._failed_at: float | None = None
         self.metrics_ports: dict[int, int | None] = {}
+        self._steps: dict[int, tuple[int | None, float]] = {}  # rank -> (last step, when it last moved)
+        self._hang: dict[str, Any] | None = None  # a detected hang, waiting for the stack dumps
         self._targets_written = False
         self._thread = threading.Thread(target=self._main, name=f"attempt-{plan.attempt_id}", daemon=True)
 
@@ -348,6 +350,7 @@ class AttemptRun:
         if self.cancel_event.is_set() and not self.state.is_terminal():
             self._finish_cancelled()
         self._check_heartbeats()
+        self._check_progress()
         self._ping()
 
     def _ping(self) -> None:
@@ -379,6 +382,8 @@ class AttemptRun:
             attempt = self.c.store.get_attempt(self.job_id, self.plan.attempt)
             self.c.metrics.running((attempt.running_at or 0) - attempt.created_at)
             self._write_targets()
+            now = time.monotonic()
+            self._steps = {r.global_rank: (None, now) for _, r in self.plan.ranks()}
 
     def _write_targets(self) -> None:
         """The attempt's Prometheus file_sd file: every node's exporter (see orchestrator.metrics)."""
@@ -408,6 +413,15 @@ class AttemptRun:
                 for p in points if isinstance(p, dict) and "step" in p]
         if rows:
             self.c.store.add_progress(self.job_id, self.plan.attempt, rows)
+            now = time.monotonic()
+            if self._steps and all(v[0] is None for v in self._steps.values()):
+                # the first step of the attempt arms hang detection: start-up (imports, the
+                # rendezvous, building ops) may take long, and counts against no rank
+                self._steps = {r: (None, now) for r in self._steps}
+            for rank, point in rows:
+                old = self._steps.get(rank)
+                if old is not None and (old[0] is None or int(point["step"]) > old[0]):
+                    self._steps[rank] = (int(point["step"]), now)
 
     def _on_rank_exit(self, node_rank: int, msg: dict) -> None:
         rank, code = int(msg["global_rank"]), int(msg["returncode"])
@@ -459,6 +473,54 @@ class AttemptRun:
             self._fail({"kind": "node_lost", "node": self._host(node_rank), "node_rank": node_rank,
                         "message": f"node lost: the agent on {self._host(node_rank)} (node {node_rank}) "
                                    "went away (its link closed)"})
+
+    def _check_progress(self) -> None:
+        """Hang detection (the spec's ``hang_timeout``): a running rank whose step has not moved
+        for that long fails the attempt with ``no_progress``, once every node dumped its ranks'
+        stacks (or 30 s passed)."""
+        timeout = self.spec.hang_timeout
+        if not timeout or self.state != JobState.RUNNING or not self._steps:
+            return
+        if all(v[0] is None for v in self._steps.values()):
+            return  # armed by the first step of any rank
+        now = time.monotonic()
+        if self._hang is not None:
+            if not self._hang["waiting"] or now > self._hang["deadline"]:
+                cause, self._hang = self._hang["cause"], None
+                self._fail(cause)
+            return
+        running = {r: v for r, v in self._steps.items() if r not in self.exits}
+        stalled = {r: v for r, v in running.items() if now - v[1] > timeout}
+        if not stalled:
+            return
+        steps = {r: v[0] for r, v in running.items()}
+        known = [s for s in steps.values() if s is not None]
+        low = min(known) if known else None
+        behind = sorted(r for r in stalled if steps[r] is None) or sorted(r for r in stalled if steps[r] == low)
+        if None in (steps[r] for r in behind):
+            what = (f"rank(s) {', '.join(str(r) for r in behind if steps[r] is None)} reported no step "
+                    f"{timeout:g} s after the others started stepping")
+        elif max(known) > low:
+            what = (f"rank(s) {', '.join(map(str, behind))} stuck at step {low} for {timeout:g} s while others "
+                    f"reached step {max(known)}")
+        else:
+            what = f"no rank passed step {low} for {timeout:g} s (rank(s) {', '.join(map(str, behind))})"
+        run_logs = os.path.join(self.plan.run_dir, "logs")
+        cause = {"kind": "no_progress", "ranks": behind, "steps": {str(r): s for r, s in steps.items()},
+                 "message": f"no progress: {what}; stacks of every rank in {run_logs}/rank-<rank>.stacks.txt",
+                 "stacks": {}}
+        waiting = {n for n, st in self.node_state.items() if st == "running"}
+        for node_rank in waiting:
+            self.agents[node_rank].send({"type": "dump"})
+        self.c.store.add_event(self.job_id, self.plan.attempt, "hang_detected", {"ranks": behind, "steps": cause["steps"]})
+        self._hang = {"cause": cause, "waiting": waiting, "deadline": now + 30.0}
+
+    def _on_dumped(self, node_rank: int, msg: dict) -> None:
+        if self._hang is not None:
+            self._hang["waiting"].discard(node_rank)
+            self._hang["cause"]["stacks"].update(msg.get("files") or {})
+            if msg.get("errors"):
+                self._hang["cause"].setdefault("stack_errors", {}).update(msg["errors"])
 
     def _on_heartbeat(self, node_rank: int, msg: dict) -> None:
         pass

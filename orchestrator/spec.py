@@ -153,6 +153,10 @@ class JobSpec(BaseModel):
     checkpoint_dir: str | None = None
     metrics_port: Annotated[int, Field(ge=1, le=65535)] | Literal["auto"] | None = "auto"
     stop_grace_seconds: float = Field(10.0, gt=0, le=3600)
+    hang_timeout: float | None = Field(None, gt=0, le=86400, description="Seconds without a new step on a "
+                                       "rank (reported, or a step= log line), counted from the attempt's first "
+                                       "step, after which the attempt fails with 'no progress', every rank's "
+                                       "stacks dumped first; null: never.")
     ssh: SSHOptions = Field(default_factory=SSHOptions)
     ray: RayOptions = Field(default_factory=RayOptions)
     restart: RestartPolicy = Field(default_factory=RestartPolicy)
