@@ -242,6 +242,11 @@ def test_a_failed_job_shows_its_cause_and_the_failed_ranks_log(server, browser, 
     wait_for(lambda: _js(driver, JOB_STATE_JS) in ("PROVISIONING", "RUNNING"), 30, "the job's page")
     wait_for(lambda: _js(driver, JOB_STATE_JS) == "FAILED", 180, "FAILED on the page", interval=0.5)
     print(f"\nFAILED on the page {time.monotonic() - t0:.1f} s after submit")
+    # teardown still changes the job (the attempt's stopped_at, its owner): the page redraws
+    # what changed, so read it once it has drawn the last change (no element goes stale)
+    wait_for(lambda: (d := orch_m.json("status", job_id))["attempts"][0]["stopped_at"] and d["owner"] is None,
+             30, "the attempt to have stopped")
+    time.sleep(2.5)  # two refreshes of the page
 
     badge = driver.find_element("css selector", "#job-header .badge")
     assert badge.text == "FAILED" and _is_red(badge.value_of_css_property("background-color"))
@@ -270,8 +275,8 @@ def test_a_failed_job_shows_its_cause_and_the_failed_ranks_log(server, browser, 
     wait_for(lambda: len(driver.find_elements("css selector", "tr.job-row")) == 2, 10, "both jobs listed")
     states = _js(driver, "return [...document.querySelectorAll('tr.job-row')].map(r => r.dataset.state)")
     assert states == ["FAILED", "SUCCEEDED"]  # newest first
-    assert "exited with exit code 1" in driver.find_element(
-        "css selector", f'tr.job-row[data-job-id="{job_id}"] td.cause-cell').text
+    assert "exited with exit code 1" in _js(
+        driver, f"return document.querySelector('tr.job-row[data-job-id=\"{job_id}\"] td.cause-cell').textContent")
     assert _severe_console_errors(driver) == []
     assert_no_leftovers(job_id)
 
