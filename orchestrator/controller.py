@@ -246,6 +246,7 @@ class AttemptRun:
         self._rank_node = {r.global_rank: n for n, r in plan.ranks()}
         self._last_ping = 0.0
         self._failed_at: float | None = None
+        self._last_check = time.monotonic()
         self.metrics_ports: dict[int, int | None] = {}
         self._steps: dict[int, tuple[int | None, float]] = {}  # rank -> (last step, when it last moved)
         self._hang: dict[str, Any] | None = None  # a detected hang, waiting for the stack dumps
@@ -534,9 +535,13 @@ class AttemptRun:
                                {"node_rank": node_rank, "message": msg})
 
     def _check_heartbeats(self) -> None:
+        now = time.monotonic()
+        stalled, self._last_check = now - self._last_check > self.c.node_timeout_s / 2, now
+        if stalled:  # this controller was frozen (suspended, swapped out): the silence was its own
+            self.last_heard = {n: max(t, now) for n, t in self.last_heard.items()}
+            return
         if self.state.is_terminal() or not self.events.empty():
             return  # messages still waiting to be read are no sign of silence
-        now = time.monotonic()
         for node_rank, heard in self.last_heard.items():
             if self.node_state[node_rank] in _ENDED:
                 continue
