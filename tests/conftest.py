@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -280,3 +281,31 @@ def make_ray() -> Any:
             errors.append(str(err))
     if errors:
         raise AssertionError("; ".join(errors))
+
+
+@contextlib.contextmanager
+def running_server(orch: Orch, *args: str):
+    """``orch server`` on a free port for ``orch``'s state dir (plus ``args``), up and answering;
+    yields ``(process, url)`` and stops it (SIGTERM) on the way out."""
+    import signal
+    import socket
+
+    import httpx
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = orch.popen("server", "--port", str(port), *args)
+    url = f"http://127.0.0.1:{port}"
+
+    def up() -> bool:
+        try:
+            return httpx.get(f"{url}/api/health", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+    try:
+        wait_for(up, 30, "the server to answer")
+        yield proc, url
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(60)

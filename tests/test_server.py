@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from conftest import SCRIPTS, assert_no_leftovers, wait_for
+from conftest import running_server, SCRIPTS, assert_no_leftovers, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -29,20 +29,8 @@ def _free_port() -> int:
 
 @pytest.fixture()
 def server(orch):
-    port = _free_port()
-    proc = orch.popen("server", "--port", str(port))
-    url = f"http://127.0.0.1:{port}"
-
-    def up() -> bool:
-        try:
-            return httpx.get(f"{url}/api/health", timeout=1).status_code == 200
-        except httpx.HTTPError:
-            return False
-    wait_for(up, 30, "the server to answer")
-    yield proc, url
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(60)
+    with running_server(orch) as served:
+        yield served
 
 
 def test_submit_follow_cancel_resume_through_the_server(orch, server, write_spec, hostfile, tmp_path) -> None:

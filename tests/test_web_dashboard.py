@@ -20,7 +20,7 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import ROOT, Orch, assert_no_leftovers, wait_for
+from conftest import running_server, ROOT, Orch, assert_no_leftovers, wait_for
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import helpers_train
@@ -66,20 +66,8 @@ def orch_m(tmp_path_factory) -> Orch:
 
 @pytest.fixture(scope="module")
 def server(orch_m):
-    port = _free_port()
-    proc = orch_m.popen("server", "--port", str(port))
-    url = f"http://127.0.0.1:{port}"
-
-    def up() -> bool:
-        try:
-            return httpx.get(f"{url}/api/health", timeout=1).status_code == 200
-        except httpx.HTTPError:
-            return False
-    wait_for(up, 30, "the server to answer")
-    yield proc, url
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(60)
+    with running_server(orch_m) as served:
+        yield served
 
 
 @pytest.fixture(scope="module")
