@@ -7,8 +7,11 @@ library, say) is moved to stderr, which is the agent's own log.
 
 Lifecycle, written once here for every provisioner:
 
-1. say ``hello`` (proving the node's Python runs orch), then wait for ``start`` (the
-   node's plan), which the controller sends once every node has said hello;
+1. say ``hello`` (proving the node's Python runs orch), then answer the controller's
+   ``preflight`` requests (:mod:`agents.preflight`: the spec's Python, DeepSpeed, the
+   workdir and entrypoint, the checkpoint directory, the master port, shared storage),
+   with heartbeats, and wait for ``start`` (the node's plan), which the controller sends
+   once every node passed;
 2. host the c10d store the launcher asks for (torchrun's static rendezvous), if any;
 3. start every rank in its own session (:class:`agents.ranks.RankProcess`), answer
    ``started`` (or ``spawn_failed`` and stop what was started);
@@ -34,7 +37,7 @@ from typing import Any
 from .link import MessageReader, MessageWriter
 from .ranks import RankProcess, become_subreaper, describe_returncode, kill_descendants, kill_marked, stop_all
 
-__all__ = ["Agent", "main"]
+__all__ = ["Agent", "main", "rank_env"]
 
 
 class Agent:
@@ -149,10 +152,7 @@ class Agent:
     def _start_ranks(self) -> bool:
         log_dir = self.node["log_dir"]
         for r in self.node["ranks"]:
-            env = dict(self.base_env)
-            for key, value in self.node.get("env_defaults", {}).items():
-                env.setdefault(key, value)  # what the real launcher sets only where unset
-            env.update(r["env"])
+            env = rank_env(self.base_env, self.node, r)
             env.update(self.metrics.rank_env(r["global_rank"]))
             proc = RankProcess(r["global_rank"], r["argv"], env, self.node["workdir"],
                                os.path.join(log_dir, f"rank-{r['global_rank']}.log"))
@@ -286,23 +286,97 @@ class Agent:
         self._signalled = signum
 
 
-def _wait_for_start(inbox: "queue.Queue[tuple[Any, dict]]", timeout: float = 600.0) -> dict | None:
-    """The ``start`` message (the controller sends it once every node's agent said hello)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            _tag, msg = inbox.get(timeout=1.0)
-        except queue.Empty:
-            continue
-        if msg.get("type") == "start":
-            return msg
-        if msg.get("type") in ("eof", "stop"):
-            return None  # the controller gave up on this attempt before it started
-        if msg.get("type") != "ping":
-            print(f"agent: expected a start message, got {msg.get('type')!r}; exiting", file=sys.stderr)
-            return None
-    print(f"agent: no start message within {timeout:.0f} s; exiting", file=sys.stderr)
-    return None
+class _BeforeStart:
+    """The agent between ``hello`` and ``start``: it answers the controller's ``preflight``
+    requests (:mod:`agents.preflight`, on a thread, so a ``stop`` is obeyed at once), sends
+    heartbeats from the first request on, and gives up when the controller falls silent for
+    the lease the request named (before any request: after ``timeout`` seconds).
+
+    Args:
+        writer: where messages to the controller go.
+        inbox: messages from the controller.
+        base_env: the node's environment (ranks' environments are laid over it).
+    """
+
+    def __init__(self, writer: MessageWriter, inbox: "queue.Queue[tuple[Any, dict]]",
+                 base_env: dict[str, str]) -> None:
+        self.writer = writer
+        self.inbox = inbox
+        self.base_env = base_env
+        self.preflight: Any = None
+        self._thread: threading.Thread | None = None
+        self._beating = threading.Event()
+        self._done = threading.Event()
+        self._heartbeat_s = 1.0
+        self._lease_s: float | None = None
+
+    def wait(self, timeout: float = 600.0) -> dict | None:
+        """The ``start`` message, or None when the controller gave up on the attempt (``stop``,
+        end of stream), fell silent for its lease, or sent nothing usable."""
+        deadline = time.monotonic() + timeout
+        last_heard = time.monotonic()
+        while time.monotonic() < deadline:
+            if self._lease_s is not None and time.monotonic() - last_heard > self._lease_s:
+                print(f"agent: no word from the controller for {self._lease_s:.0f} s before the start; exiting",
+                      file=sys.stderr)
+                return None
+            try:
+                _tag, msg = self.inbox.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            last_heard = time.monotonic()
+            kind = msg.get("type")
+            if kind == "start":
+                return msg
+            if kind in ("eof", "stop"):
+                return None  # the controller gave up on this attempt before it started
+            if kind == "preflight":
+                self._preflight(msg)
+            elif kind != "ping":
+                print(f"agent: expected a start message, got {kind!r}; exiting", file=sys.stderr)
+                return None
+        print(f"agent: no start message within {timeout:.0f} s; exiting", file=sys.stderr)
+        return None
+
+    def _preflight(self, msg: dict) -> None:
+        from .preflight import NodePreflight, run_in_thread
+        self._heartbeat_s = float(msg.get("heartbeat_s") or self._heartbeat_s)
+        self._lease_s = float(msg["lease_s"]) if msg.get("lease_s") else self._lease_s
+        if not self._beating.is_set():
+            self._beating.set()
+            threading.Thread(target=self._heartbeats, name="preflight-heartbeats", daemon=True).start()
+        if self.preflight is None:
+            node = msg.get("node") or {}
+            ranks = node.get("ranks") or [{}]
+            self.preflight = NodePreflight(int(node.get("node_rank", 0)), rank_env(self.base_env, node, ranks[0]),
+                                           host=str(node.get("host", "")))
+        if self._thread is not None:
+            self._thread.join()  # phases run one at a time (the controller waits for each anyway)
+        self._thread = run_in_thread(self.preflight, msg, self.writer.send)
+
+    def _heartbeats(self) -> None:
+        while not self._done.wait(self._heartbeat_s):
+            check = self.preflight.current if self.preflight is not None else None
+            if not self.writer.send({"type": "heartbeat", "at": time.time(), "preflight": check}):
+                return
+
+    def close(self) -> None:
+        """Stop the heartbeats, call off a running check, remove this node's preflight token."""
+        self._done.set()
+        if self.preflight is not None:
+            self.preflight.abort()
+            if self._thread is not None:
+                self._thread.join(5.0)
+            self.preflight.cleanup()
+
+
+def rank_env(base_env: dict[str, str], node: dict, rank: dict) -> dict[str, str]:
+    """A rank's environment: the node's, the launcher's defaults where unset, then the rank's own."""
+    env = dict(base_env)
+    for key, value in (node.get("env_defaults") or {}).items():
+        env.setdefault(key, value)  # what the real launcher sets only where unset
+    env.update(rank.get("env") or {})
+    return env
 
 
 def main() -> int:
@@ -316,11 +390,13 @@ def main() -> int:
     from orchestrator import __version__
     writer.send({"type": "hello", "host": socket.gethostname(), "pid": os.getpid(), "python": sys.executable,
                  "version": __version__})
-    first = _wait_for_start(inbox)
+    base_env = {k: v for k, v in os.environ.items() if not k.startswith("ORCH_AGENT_")}
+    before = _BeforeStart(writer, inbox, base_env)
+    first = before.wait()
+    before.close()
     if first is None:
         return 2
     become_subreaper()
-    base_env = {k: v for k, v in os.environ.items() if not k.startswith("ORCH_AGENT_")}
     agent = Agent(first, writer, inbox, base_env)
     signal.signal(signal.SIGTERM, agent.on_signal)
     signal.signal(signal.SIGINT, agent.on_signal)

@@ -4,16 +4,26 @@ The same framing runs over any byte stream: a local agent's stdin/stdout pipes, 
 channel's stdin/stdout, or a socket. Every message is a JSON object with a ``type``.
 
 Controller -> agent:
-    ``start`` {node, attempt_id, grace, heartbeat_s, lease_s}: the node's plan; start the ranks.
+    ``preflight`` {phase: "check", node, python, entrypoint, mode, workdir, checkpoint_dir,
+        deepspeed, skip, master_port, shared, timeout_s, heartbeat_s, lease_s}: run this node's
+        checks before any rank starts (``agents.preflight``); heartbeats begin, and the
+        agent exits if the controller is silent for ``lease_s``.
+    ``preflight`` {phase: "list", shared: {dir, nonce}, expect: [node ranks]}: say which
+        nodes' shared-storage tokens this node sees.
+    ``start`` {node, attempt_id, grace, heartbeat_s, lease_s}: the node's plan; start the ranks
+        (sent once every node passed its preflight).
     ``stop`` {reason}: stop every rank (SIGTERM, grace, SIGKILL), report, exit.
     ``ping`` {}: keeps the agent's lease alive.
 
 Agent -> controller:
     ``hello`` {host, pid, python}: the agent is up.
+    ``preflight_result`` {phase: "check", checks: [{name, status, detail, seconds}], token, seconds}
+        or {phase: "list", seen: [node ranks], problems, seconds}: a preflight phase's answer.
     ``started`` {ranks: [{global_rank, pid}]}: every rank of the node was started.
     ``spawn_failed`` {global_rank, error}: a rank could not be started.
     ``rank_exit`` {global_rank, returncode, how, at}: a rank ended.
-    ``heartbeat`` {at}: the agent is alive (every ``heartbeat_s`` seconds).
+    ``heartbeat`` {at, preflight?}: the agent is alive (every ``heartbeat_s`` seconds); during
+        the preflight, ``preflight`` names the check running (or null).
     ``stopping`` {reason}: the agent stops its ranks on its own (a signal, its lease ran out).
     ``stopped`` {reason, exits: {rank: returncode}}: ranks stopped; the agent exits.
     ``done`` {}: every rank of the node ended by itself; the agent exits.

@@ -33,7 +33,8 @@ class AgentActor:
 
     Args:
         python: the interpreter for the agent (the spec's ``python``, else this worker's).
-        workdir: the agent's working directory.
+        workdir: the agent's working directory (``/`` where it does not exist: the preflight
+            then reports it).
         env: extra environment for the agent (its attempt markers).
         log_path: where the agent's stderr goes on this node, or None to keep only a tail.
     """
@@ -44,7 +45,8 @@ class AgentActor:
         self._tail: collections.deque[str] = collections.deque(maxlen=40)
         self._out: "queue.Queue[bytes]" = queue.Queue()
         self._log = open(log_path, "ab") if log_path else None  # noqa: SIM115 - lives as long as the actor
-        self.proc = subprocess.Popen([python or sys.executable, "-u", "-m", "agents.agent"], cwd=workdir,
+        self.proc = subprocess.Popen([python or sys.executable, "-u", "-m", "agents.agent"],
+                                     cwd=workdir if os.path.isdir(workdir) else "/",
                                      env=agent_env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, start_new_session=True)
         threading.Thread(target=self._read_stdout, daemon=True).start()

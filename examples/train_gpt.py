@@ -27,9 +27,23 @@ Everything the orchestrator relies on is documented in ``docs/contract.md``:
   ``--checkpoint-dir``) with tag ``step_<N>``: ``engine.save_checkpoint``, then one
   ``orch_rank_<global rank>.pt`` per rank (its data generator and RNG states), a barrier,
   and last the completion marker ``orch_checkpoint.json`` written by global rank 0;
+* consolidated model: with ``--save-16bit-model`` (default: the config's
+  ``zero_optimization.stage3_gather_16bit_weights_on_model_save``) the final tag also gets
+  ``pytorch_model.bin`` from ``engine.save_16bit_model``, loadable into ``ByteGPT`` as it is;
 * resume: ``$ORCH_RESUME_TAG`` (or ``--resume-tag``) loads that tag and continues at the
   next step; with the same world size the losses of every rank at every later step equal
   those of an uninterrupted run (bit-exact on CPU/fp32).
+* resume on another world size: when ``$ORCH_RESUME_UNIVERSAL=1`` (or ``--resume-universal``, or
+  the tag directory holds ``orch_universal.json``), the tag is a DeepSpeed *universal* checkpoint
+  (``deepspeed.checkpoint.ds_to_universal``, run by orch) and is loaded with
+  ``"checkpoint": {"load_universal": true}`` (set here too if the config lacks it).
+  Exact after a world-size change: the fp32 weights, Adam's moments and step counts, the LR
+  scheduler and ``global_steps`` (training continues at the saved step + 1). Not exact, by
+  design: the per-rank files (data position, RNG states) belonged to ranks that no longer
+  exist, so the data is re-sharded over the new data-parallel ranks and every rank's sampler
+  and RNGs are reseeded from (seed, global rank, step); the batches and dropout masks differ
+  from an uninterrupted run, and the global batch is ``micro x grad_accum x new dp size``. The
+  loss continues from where it was (statistically, not bit for bit).
 
 Per-step log line on every rank (machine-parseable; floats are ``repr``, i.e. exact)::
 
@@ -50,6 +64,8 @@ import math
 import os
 import random
 import resource
+import shutil
+import signal
 import sys
 import sysconfig
 import time
@@ -75,8 +91,10 @@ from torch import nn
 
 RANK_FILE_FMT = "orch_rank_{rank}.pt"
 MARKER = "orch_checkpoint.json"
+UNIVERSAL_MARKER = "orch_universal.json"  # written by orch after ds_to_universal (orchestrator/checkpoints.py)
 RANK_STATE_FORMAT = 1
 MARKER_FORMAT = 1
+MODEL_16BIT = "pytorch_model.bin"  # engine.save_16bit_model's default name, in the final tag's directory
 
 
 def out(line: str) -> None:
@@ -96,8 +114,15 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="save a checkpoint every N steps (0: never, except --save-final)")
     p.add_argument("--save-final", action=argparse.BooleanOptionalAction, default=False,
                    help="also save a checkpoint after the last step")
+    p.add_argument("--save-16bit-model", action=argparse.BooleanOptionalAction, default=None,
+                   help="after the last step, also save the consolidated model (engine.save_16bit_model) as "
+                   f"<checkpoint dir>/step_<N>/{MODEL_16BIT}; implies --save-final. Default: on when the config "
+                   "has zero_optimization.stage3_gather_16bit_weights_on_model_save (ZeRO-3 needs it)")
     p.add_argument("--checkpoint-dir", default=None, help="default: $ORCH_CHECKPOINT_DIR")
     p.add_argument("--resume-tag", default=None, help="default: $ORCH_RESUME_TAG")
+    p.add_argument("--resume-universal", action="store_true",
+                   help="the resume tag is a universal checkpoint (default: $ORCH_RESUME_UNIVERSAL=1, or the tag "
+                   f"holds {UNIVERSAL_MARKER})")
     p.add_argument("--stop-at-step", type=int, default=None,
                    help="exit (status 0) after this step, as if interrupted; the run is meant to be "
                    "resumed to --steps (LR schedules etc. still see --steps)")
@@ -109,6 +134,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="hang on purpose (sleep forever before the next step's collectives, on --hang-rank) after "
                         "this step, on the job's first attempt only: the other ranks block in their next all-reduce")
     p.add_argument("--hang-rank", type=int, default=0, help="the global rank that hangs with --hang-at-step")
+    p.add_argument("--crash-in-save-at-step", type=int, default=None,
+                   help="SIGKILL --crash-rank in the middle of saving this step's checkpoint (after DeepSpeed "
+                        "wrote its files, before the completion marker), on the job's first attempt only: the "
+                        "tag is left incomplete, as by a node lost during a save")
+    p.add_argument("--crash-rank", type=int, default=0, help="the global rank killed by --crash-in-save-at-step")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--log-interval", type=int, default=10, help="human summary on rank 0 every N steps")
     p.add_argument("--no-report", action="store_true", help="do not report steps to orch's metrics "
@@ -116,6 +146,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--eval-interval", type=int, default=0,
                    help="evaluate on held-out text every N steps (0: only at the end if --eval-batches)")
     p.add_argument("--eval-batches", type=int, default=0, help="held-out micro batches per evaluation")
+    p.add_argument("--eval-after-resume", action="store_true",
+                   help="also evaluate right after loading a checkpoint, before training on (with the same "
+                   "held-out windows as every evaluation: shows that the weights came back)")
     # model
     p.add_argument("--n-layer", type=int, default=3)
     p.add_argument("--n-head", type=int, default=4)
@@ -305,9 +338,13 @@ class ByteGPT(nn.Module):
 # --------------------------------------------------------------------------- per-rank state
 
 
-def seed_rank_rngs(seed: int, global_rank: int) -> int:
-    """Give this rank its own python/numpy/torch RNG streams (dropout uses torch's)."""
-    s = [int(x) for x in np.random.SeedSequence([seed, 1 + global_rank]).generate_state(3)]
+def seed_rank_rngs(seed: int, global_rank: int, step: int = 0) -> int:
+    """Give this rank its own python/numpy/torch RNG streams (dropout uses torch's).
+
+    ``step`` > 0 gives other streams (a universal resume at that step: the saved streams belonged
+    to the old ranks). Returns the seed for the rank's data sampler."""
+    entropy = [seed, 1 + global_rank] + ([step] if step else [])
+    s = [int(x) for x in np.random.SeedSequence(entropy).generate_state(3)]
     random.seed(s[0])
     np.random.seed(s[1])
     torch.manual_seed(s[2])
@@ -388,8 +425,15 @@ def main(argv=None) -> int:
     if (args.checkpoint_interval > 0 or args.save_final or resume_tag) and not ckpt_dir:
         raise SystemExit("checkpointing needs --checkpoint-dir or ORCH_CHECKPOINT_DIR")
 
-    if resume_tag and not (Path(ckpt_dir) / resume_tag / MARKER).is_file():  # fail before the slow start-up
-        raise SystemExit(f"cannot resume from {Path(ckpt_dir) / resume_tag}: no {MARKER} (incomplete checkpoint)")
+    universal = bool(resume_tag) and (args.resume_universal or os.environ.get("ORCH_RESUME_UNIVERSAL") == "1"
+                                      or (Path(ckpt_dir) / resume_tag / UNIVERSAL_MARKER).is_file())
+    need = UNIVERSAL_MARKER if universal else MARKER
+    if resume_tag and not (Path(ckpt_dir) / resume_tag / need).is_file():  # fail before the slow start-up
+        raise SystemExit(f"cannot resume from {Path(ckpt_dir) / resume_tag}: no {need} (incomplete checkpoint)")
+    config = config_path
+    if universal:  # DeepSpeed reads the zero/ folder of a universal checkpoint only with load_universal
+        config = json.loads(Path(config_path).read_text())
+        config.setdefault("checkpoint", {})["load_universal"] = True
 
     deepspeed.init_distributed(timeout=datetime.timedelta(seconds=args.dist_timeout_s))
     global_rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -401,7 +445,7 @@ def main(argv=None) -> int:
     model = ByteGPT(args.n_layer, args.n_head, args.d_model, args.seq_len, args.dropout)
     n_params = sum(p.numel() for p in model.parameters())
 
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config_path)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     from deepspeed.utils import groups
     dp_rank = groups._get_data_parallel_rank()
     dp_size = groups._get_data_parallel_world_size()
@@ -425,10 +469,17 @@ def main(argv=None) -> int:
         f"corpus_sha256={corpus_info['sha256']} shard={sampler.bounds[0]}:{sampler.bounds[1]} config={config_path}")
 
     step = 0
-    if resume_tag:
+    if resume_tag and universal:
+        step = resume_universal(engine, ckpt_dir, resume_tag, sampler, global_rank, world_size, dp_size,
+                                corpus_info, args.seed, micro * gas)
+    elif resume_tag:
         step = resume(engine, ckpt_dir, resume_tag, sampler, global_rank, world_size, dp_size, zero_stage,
                       corpus_info)
     start_step = step
+    save16 = wants_16bit_model(engine, args, zero_stage, ckpt_dir)
+    args.save_final = args.save_final or save16
+    if resume_tag and args.eval_after_resume and args.eval_batches > 0:
+        evaluate(engine, holdout, args, micro, step, global_rank)
 
     def save(tag_step: int) -> None:
         save_checkpoint(engine, ckpt_dir, tag_step, sampler, global_rank, world_size, dp_size, zero_stage,
@@ -481,6 +532,8 @@ def main(argv=None) -> int:
     if ckpt_dir and args.save_final and step == args.steps and step > start_step and not (
             args.checkpoint_interval > 0 and step % args.checkpoint_interval == 0):
         save(step)
+    if save16 and step == args.steps and step > start_step:
+        save_16bit_model(engine, ckpt_dir, step, global_rank)
     if args.eval_batches > 0 and not (args.eval_interval > 0 and step % args.eval_interval == 0):
         evaluate(engine, holdout, args, micro, step, global_rank)
     dist.barrier()
@@ -532,17 +585,24 @@ def save_checkpoint(engine, ckpt_dir, step, sampler, global_rank, world_size, dp
     t0 = time.time()
     tag = f"step_{step}"
     tag_dir = Path(ckpt_dir) / tag
-    if global_rank == 0:
+    if global_rank == 0 and tag_dir.exists():
         # Re-saving a tag (e.g. after resuming from an older one): it stops counting as complete
-        # before any of its files change. save_checkpoint() starts with a barrier, so no rank
-        # writes into the tag before this.
+        # before any of its files change, then goes as a whole, so that no file of an earlier
+        # save at another world size (a rank that no longer exists) stays beside the new ones
+        # (ds_to_universal reads every *_optim_states.pt it finds). save_checkpoint() starts with
+        # a barrier, so no rank writes into the tag before this.
         (tag_dir / MARKER).unlink(missing_ok=True)
+        shutil.rmtree(tag_dir)
     engine.save_checkpoint(ckpt_dir, tag=tag, client_state=universal_client_state(step, args, corpus_info))
     tag_dir.mkdir(parents=True, exist_ok=True)
     state = capture_rank_state(sampler, step, global_rank,
                                {"world_size": world_size, "dp_size": dp_size, "zero_stage": zero_stage,
                                 "corpus_sha256": corpus_info["sha256"], "seed": args.seed})
     atomic_write_bytes(tag_dir / RANK_FILE_FMT.format(rank=global_rank), lambda f: torch.save(state, f))
+    if step == args.crash_in_save_at_step and global_rank == args.crash_rank and \
+            os.environ.get("ORCH_ATTEMPT", "1") == "1":
+        out(f"[ckpt] tag={tag} global_step={step} rank={global_rank} killing itself mid-save (--crash-in-save-at-step)")
+        os.kill(os.getpid(), signal.SIGKILL)
     dist.barrier()  # every rank's DeepSpeed files and per-rank file are written
     if global_rank == 0:
         marker = {
@@ -563,6 +623,43 @@ def save_checkpoint(engine, ckpt_dir, step, sampler, global_rank, world_size, dp
         atomic_write_bytes(tag_dir / MARKER, lambda f: f.write((json.dumps(marker, indent=1) + "\n").encode()))
     dist.barrier()  # nobody runs ahead (or exits) before the marker exists
     out(f"[ckpt] tag={tag} global_step={step} rank={global_rank} dir={ckpt_dir} save_s={time.time() - t0:.3f}")
+
+
+def wants_16bit_model(engine, args, zero_stage, ckpt_dir) -> bool:
+    """Whether to save the consolidated model at the end (``--save-16bit-model``, default: the config's
+    ``zero_optimization.stage3_gather_16bit_weights_on_model_save``); exits on a set-up that cannot.
+
+    At ZeRO-3 ``engine.save_16bit_model`` gathers the partitioned weights only with that config flag
+    on (without it DeepSpeed saves nothing and returns False); at stages 0-2 it saves the module's
+    ``state_dict()`` (``DeepSpeedEngine.save_16bit_model``). The weights are in the dtype training
+    holds them in: 16-bit under fp16/bf16, fp32 otherwise.
+    """
+    gather = bool(engine.zero_gather_16bit_weights_on_model_save())
+    wanted = args.save_16bit_model if args.save_16bit_model is not None else gather
+    if wanted and not ckpt_dir:
+        raise SystemExit("--save-16bit-model needs --checkpoint-dir or ORCH_CHECKPOINT_DIR")
+    if wanted and zero_stage == 3 and not gather:
+        raise SystemExit("--save-16bit-model at ZeRO-3 needs zero_optimization."
+                         "stage3_gather_16bit_weights_on_model_save: true in the DeepSpeed config (DeepSpeed "
+                         "gathers the partitioned weights only then)")
+    return wanted
+
+
+def save_16bit_model(engine, ckpt_dir, step, global_rank) -> None:
+    """Save the consolidated model into the (complete) tag ``step_<step>``: every rank must call it.
+
+    ``engine.save_16bit_model`` is collective at ZeRO-3 (it gathers each layer's partitions to
+    rank 0); global rank 0 writes the file, under a temporary name renamed into place, so a
+    crash never leaves a partial ``pytorch_model.bin``.
+    """
+    t0 = time.time()
+    tag_dir = Path(ckpt_dir) / f"step_{step}"
+    tmp = f".{MODEL_16BIT}.tmp"
+    engine.save_16bit_model(str(tag_dir), tmp)
+    if global_rank == 0:
+        os.replace(tag_dir / tmp, tag_dir / MODEL_16BIT)
+        out(f"[ckpt] tag=step_{step} global_step={step} rank=0 model_16bit={tag_dir / MODEL_16BIT} "
+            f"bytes={(tag_dir / MODEL_16BIT).stat().st_size} save_s={time.time() - t0:.3f}")
 
 
 def resume(engine, ckpt_dir, tag, sampler, global_rank, world_size, dp_size, zero_stage, corpus_info) -> int:
@@ -592,6 +689,40 @@ def resume(engine, ckpt_dir, tag, sampler, global_rank, world_size, dp_size, zer
     restore_rank_state(sd, sampler, global_rank, step)
     out(f"[resume] rank={global_rank} tag={tag} global_step={step} samples_drawn={sampler.samples_drawn} "
         f"rank_file={rank_file.name} client_iteration={(client_state or {}).get('iteration')}")
+    return step
+
+
+def resume_universal(engine, ckpt_dir, tag, sampler, global_rank, world_size, dp_size, corpus_info, seed,
+                     samples_per_step) -> int:
+    """Resume from a universal checkpoint (any world size; see the module docstring for what is exact).
+
+    DeepSpeed (``"load_universal": true``) reads the weights and optimizer state from
+    ``<tag>/zero/<param>/{fp32,exp_avg,exp_avg_sq,step}.pt`` and partitions them for this world
+    (``DeepSpeedEngine._load_zero_checkpoint``). The per-rank files of the source tag do not map
+    to these ranks: this rank's sampler keeps its new shard (``dp_rank`` of ``dp_size``) and it
+    and the RNGs are reseeded from (seed, global rank, step).
+
+    Returns:
+        The step loaded (``global_steps``); raises SystemExit when it disagrees with orch's marker.
+    """
+    tag_dir = Path(ckpt_dir) / tag
+    meta = json.loads((tag_dir / UNIVERSAL_MARKER).read_text())
+    source = meta.get("source") or {}
+    load_path, client_state = engine.load_checkpoint(ckpt_dir, tag=tag)
+    if load_path is None:
+        raise SystemExit(f"DeepSpeed could not load the universal checkpoint {tag_dir}")
+    step = int(engine.global_steps)
+    if step != meta.get("step"):
+        raise SystemExit(f"{tag}: DeepSpeed restored global_steps={step}, {UNIVERSAL_MARKER} says {meta.get('step')}")
+    if source.get("corpus_sha256") not in (None, corpus_info["sha256"]):
+        out(f"[resume] rank={global_rank} warning: corpus differs from the checkpoint's "
+            f"({source.get('corpus_sha256')} vs {corpus_info['sha256']})")
+    sampler.gen.manual_seed(seed_rank_rngs(seed, global_rank, step))
+    sampler.samples_drawn = step * samples_per_step
+    out(f"[resume] rank={global_rank} tag={tag} universal=1 from_tag={meta.get('source_tag')} global_step={step} "
+        f"from_world_size={source.get('world_size')} from_dp={source.get('dp_world_size')} world_size={world_size} "
+        f"dp={dp_size} shard={sampler.bounds[0]}:{sampler.bounds[1]} "
+        f"client_iteration={(client_state or {}).get('iteration')}")
     return step
 
 

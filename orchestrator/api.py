@@ -8,7 +8,7 @@ Routes (JSON in and out; errors are ``{"error": message, "kind": ErrorClass}`` w
 * ``POST /api/jobs``  ``{"spec": {...}}``     submit a job (spec paths absolute)
 * ``GET  /api/jobs/{id}``                    a job with its attempts and ranks
 * ``POST /api/jobs/{id}/cancel``             cancel it
-* ``POST /api/jobs/{id}/resume`` ``{"exclude": [host, ...]}``  a new attempt from the last complete
+* ``POST /api/jobs/{id}/resume`` ``{"exclude": [host, ...], "fresh": false}``  a new attempt from the last complete
   checkpoint, optionally without some hosts
 * ``GET  /api/jobs/{id}/events?since=N``     its history
 * ``GET  /api/jobs/{id}/plan?attempt=K``     an attempt's plan
@@ -88,7 +88,10 @@ def create_app(controller: Controller) -> FastAPI:
         exclude = (body or {}).get("exclude") or []
         if not isinstance(exclude, list) or not all(isinstance(h, str) for h in exclude):
             raise ValueError("'exclude' must be a list of host names")
-        job = controller.resume(job_id, exclude_hosts=exclude)
+        fresh = (body or {}).get("fresh", False)
+        if not isinstance(fresh, bool):
+            raise ValueError("'fresh' must be true or false")
+        job = controller.resume(job_id, exclude_hosts=exclude, fresh=fresh)
         return job_detail(store, job.id)
 
     @app.get("/api/jobs/{job_id}/events")

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shlex
 import signal
 import sys
@@ -144,8 +145,10 @@ class HttpBackend:
     def cancel(self, job_id: str) -> dict:
         return self._call("POST", f"/api/jobs/{job_id}/cancel")
 
-    def resume(self, job_id: str, exclude: list[str]) -> dict:
-        return self._call("POST", f"/api/jobs/{job_id}/resume", json={"exclude": exclude})
+    def resume(self, job_id: str, exclude: list[str], fresh: bool = False) -> dict:
+        # no time limit: the server may first convert the checkpoint for a new world size (minutes)
+        return self._call("POST", f"/api/jobs/{job_id}/resume", json={"exclude": exclude, "fresh": fresh},
+                          timeout=None)
 
     def submit(self, spec: dict, source: str) -> dict:
         return self._call("POST", "/api/jobs", json={"spec": spec, "source": source})
@@ -233,7 +236,10 @@ def _header(detail: dict) -> Text:
 def _cause_lines(detail: dict) -> list[str]:
     cause = detail.get("cause") or {}
     lines = []
-    if cause.get("message"):
+    if cause.get("lines") and cause.get("summary"):  # preflight_failed: a line per finding and its nodes
+        lines.append(f"cause: {cause['summary']}:")
+        lines += [f"  {line}" for line in cause["lines"]]
+    elif cause.get("message"):
         lines.append(f"cause: {cause['message']}")
     with_tail = cause if cause.get("log_tail") else (cause.get("first_symptom") or {})
     tail = with_tail.get("log_tail") or []
@@ -256,8 +262,7 @@ def _render_detail(detail: dict) -> Group:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from .controller import prepare_plan
-    from .spec import load_spec
-    spec = load_spec(args.spec)
+    spec = _load_job(args)
     plan, _lease = prepare_plan(spec, _state_dir(args), f"{spec.name}-plan", hold_port=False)
     if args.output == "json":
         _print_json(plan.to_dict())
@@ -294,6 +299,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         c.print("Set where a node's environment lacks them: " +
                 " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(defaults.items())), markup=False,
                 highlight=False, soft_wrap=True)
+    if plan.deepspeed_config:
+        c.print(Text(f"DeepSpeed config, resolved (written to {plan.deepspeed_config_path}):", style="bold"))
+        c.print(json.dumps(plan.deepspeed_config, indent=2), markup=False, highlight=False, soft_wrap=True)
     c.print(Text(f"What the real {plan.launcher} launcher would run:", style="bold"))
     for cmd in plan.real_commands:
         where = f"on {cmd.where}" if cmd.where else "on the launching machine"
@@ -373,10 +381,15 @@ def _follow_plain(controller: Any, job_id: str, run: Any, args: argparse.Namespa
             if ev.kind == "state":
                 cause = (ev.data.get("cause") or {}).get("message")
                 say(f"job {job_id} {ev.data['to']} (attempt {ev.attempt}){': ' + cause if cause else ''}", ev.at)
+                if "resume_tag" in ev.data:
+                    say(_resume_words(ev.data), ev.at)
                 running_since = time.monotonic() if ev.data["to"] == "RUNNING" else None
                 last_print = time.monotonic()
             elif ev.kind == "warning":
                 say(f"warning: {ev.data.get('message')}", ev.at)
+            elif ev.kind == "preflight" and ev.data.get("passed"):
+                say(f"preflight passed on {len(ev.data.get('nodes') or [])} node(s) in "
+                    f"{ev.data.get('seconds', 0):.2f} s", ev.at)
             elif ev.kind == "hang_detected":
                 say(f"no progress on rank(s) {', '.join(map(str, ev.data.get('ranks', [])))}: dumping every rank's "
                     "stacks, then failing the attempt", ev.at)
@@ -386,6 +399,11 @@ def _follow_plain(controller: Any, job_id: str, run: Any, args: argparse.Namespa
                     + " (restart policy)", ev.at)
             elif ev.kind == "cause_revised":
                 say(f"root cause of attempt {ev.attempt}: {(ev.data.get('cause') or {}).get('message')}", ev.at)
+            elif ev.kind == "checkpoint_converted":
+                d = ev.data
+                say(f"checkpoint {d['from_tag']} (saved by {d['from_world_size']} ranks) "
+                    + ("already converted" if d.get("reused") else f"converted in {d['seconds']:.1f} s")
+                    + f" to DeepSpeed's universal format, {d['tag']}, for {d['to_world_size']} ranks", ev.at)
         d = job_detail(controller.store, job_id)
         steps = [(r["global_rank"], r["step"], r["loss"]) for r in d["ranks"]]
         reporting = any(s[1] is not None for s in steps)
@@ -398,6 +416,15 @@ def _follow_plain(controller: Any, job_id: str, run: Any, args: argparse.Namespa
             last_print = time.monotonic()
         if finished:
             return
+
+
+def _resume_words(data: dict) -> str:
+    """Where a new attempt starts, and the newer checkpoints it skipped and why (a state event's data)."""
+    words = f"  starts from checkpoint {data['resume_tag']}" if data.get("resume_tag") else \
+        "  starts from the beginning (no complete checkpoint)"
+    for s in data.get("skipped_checkpoints") or []:
+        words += f"; skipped {s['tag']}: {'; '.join(s['problems'])}"
+    return words
 
 
 def _final_words(detail: dict, header: bool = True) -> None:
@@ -414,8 +441,7 @@ def _final_words(detail: dict, header: bool = True) -> None:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from .controller import Controller
-    from .spec import load_spec
-    spec = load_spec(args.spec)
+    spec = _load_job(args)
     controller = Controller(_state_dir(args))
     try:
         job = controller.submit(spec)
@@ -427,12 +453,22 @@ def cmd_run(args: argparse.Namespace) -> int:
         controller.close(cancel=True)
 
 
+def _start_checkpoint(attempt: dict) -> str:
+    """An attempt's start checkpoint in words: its tag, and for a universal one the tag it came from."""
+    tag = attempt.get("resume_tag")
+    if not tag:
+        return "-"
+    source = attempt.get("resume_universal_from")
+    return f"{tag} (converted from {source})" if source else tag
+
+
 def cmd_resume(args: argparse.Namespace) -> int:
     url = _find_server(args)
     if url:
-        detail = HttpBackend(url).resume(args.job, args.exclude)
+        detail = HttpBackend(url).resume(args.job, args.exclude, args.fresh)
+        start = _start_checkpoint(detail["attempts"][-1])
         _emit_detail(detail, args, f"Resumed job {detail['id']}: attempt {detail['attempt']} from checkpoint "
-                                   f"{detail['attempts'][-1].get('resume_tag') or '(none: from the start)'}")
+                                   f"{start if start != '-' else '(none: from the start)'}")
         return 0
     from .controller import Controller
     state_dir = _state_dir(args)
@@ -440,19 +476,20 @@ def cmd_resume(args: argparse.Namespace) -> int:
     controller = Controller(state_dir)
     try:
         before = controller.store.events(controller.get(args.job).id)
-        job = controller.resume(args.job, exclude_hosts=args.exclude)
+        job = controller.resume(args.job, exclude_hosts=args.exclude, fresh=args.fresh)
         attempt = controller.store.get_attempt(job.id, job.attempt)
         if args.output != "json":
+            start = _start_checkpoint(attempt.to_dict())
+            none = "(none: from step 0, as --fresh asks)" if args.fresh else "(none found: from the start)"
             _console.print(f"Resuming job {job.id}: attempt {job.attempt} from checkpoint "
-                           f"{attempt.resume_tag or '(none found: from the start)'}", markup=False, highlight=False)
+                           f"{start if start != '-' else none}", markup=False, highlight=False)
         return _follow_embedded(controller, job.id, args, since_event=before[-1].id if before else 0)
     finally:
         controller.close(cancel=True)
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
-    from .spec import load_spec
-    spec = load_spec(args.spec)
+    spec = _load_job(args)
     url = _find_server(args)
     if not url:
         raise UsageError(f"No orch server is running for state dir {_state_dir(args)}. Start one with "
@@ -500,7 +537,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         attempts.add_column(col, overflow="fold")
     for a in detail["attempts"]:
         attempts.add_row(str(a["number"]), _styled(a["state"]), ",".join(a["nodes"]), str(a["world_size"]),
-                         a["resume_tag"] or "-", _ago(a["created_at"]), (a.get("cause") or {}).get("message") or "")
+                         _start_checkpoint(a), _ago(a["created_at"]), (a.get("cause") or {}).get("message") or "")
     c.print(attempts)
     c.print(Text(f"Ranks of attempt {detail['attempt']}", style="bold"))
     c.print(_ranks_table(detail))
@@ -555,6 +592,44 @@ def cmd_cancel(args: argparse.Namespace) -> int:
                 break
             time.sleep(0.25)
     _emit_detail(detail, args, f"Job {detail['id']}: {detail['state']}")
+    return 0
+
+
+def _size(n: int) -> str:
+    """Bytes for people: ``123.4 KiB``."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from .errors import ExportError
+    from .export import export_checkpoint
+    detail = _backend(args).detail(args.job)
+    if not detail.get("checkpoint_dir"):
+        raise ExportError(f"Job {detail['id']} never started an attempt, so it has no checkpoints to export.")
+    # bound to the real stderr now: the export sends DeepSpeed's own output elsewhere while it runs
+    err = Console(file=sys.stderr, width=None if sys.stderr.isatty() else 200)
+    ckpt, label = detail["checkpoint_dir"], f"Job {detail['id']}"
+    if err.is_terminal:
+        with err.status("Exporting...") as status:
+            result = export_checkpoint(ckpt, args.file, args.tag, label=label,
+                                       progress=lambda msg: status.update(msg + "..."))
+    else:
+        result = export_checkpoint(ckpt, args.file, args.tag, label=label, progress=lambda msg: err.print(
+            f"[{time.strftime('%H:%M:%S')}] {msg}", markup=False, highlight=False))
+    if args.output == "json":
+        _print_json({"job": detail["id"], **result.to_dict()})
+        return 0
+    c = _console
+    c.print(f"Exported checkpoint {result.tag} of job {detail['id']} (step {result.step}, ZeRO stage "
+            f"{result.zero_stage}, {result.world_size} ranks) to {result.output}", markup=False, highlight=False)
+    c.print(f"  {result.tensors} tensors, {result.params:,} parameters, {'/'.join(result.dtypes)}, "
+            f"{_size(result.bytes)}, {result.seconds:.1f} s ({result.method})", markup=False, highlight=False)
+    c.print(f"  load it with: model.load_state_dict(torch.load({result.output!r}, weights_only=True))",
+            markup=False, highlight=False, soft_wrap=True)
     return 0
 
 
@@ -620,7 +695,8 @@ def cmd_server(args: argparse.Namespace) -> int:
         _err.print(f"warning: cannot write the Prometheus targets of this server into "
                    f"{controller.targets.directory}: {err.strerror or err}", markup=False, highlight=False)
     for job_id in controller.recover():
-        _err.print(f"job {job_id}: its controller had gone away; marked FAILED (resume it with orch resume)",
+        then = "its restart policy restarts it" if controller.busy(job_id) else "resume it with orch resume"
+        _err.print(f"job {job_id}: its controller had gone away; marked FAILED ({then})",
                    markup=False, highlight=False)
     _server_file(state_dir).write_text(json.dumps({"url": url, "pid": os.getpid(),
                                                    "create_time": psutil.Process().create_time()}))
@@ -664,6 +740,101 @@ _positive_int = _bounded(int, 1, None, "a whole number of at least 1")
 _port = _bounded(int, 1, 65535, "a TCP port 1..65535")
 _seconds = _bounded(float, 0, None, "a number of seconds >= 0")
 
+#: accelerate launch's DeepSpeed flags: (name, type, help); each sets the spec's accelerate.<name>.
+_ACCELERATE_FLAGS = (
+    ("mixed_precision", str, "no | fp16 | bf16 | fp8"),
+    ("zero_stage", int, "ZeRO stage 0-3"),
+    ("gradient_accumulation_steps", int, "micro batches per optimizer step"),
+    ("gradient_clipping", float, "max gradient norm"),
+    ("offload_optimizer_device", str, "none | cpu | nvme"),
+    ("offload_param_device", str, "none | cpu | nvme"),
+    ("offload_optimizer_nvme_path", str, "NVMe directory for optimizer states"),
+    ("offload_param_nvme_path", str, "NVMe directory for parameters"),
+    ("zero3_init_flag", str, "true | false: deepspeed.zero.Init at stage 3"),
+    ("zero3_save_16bit_model", str, "true | false: save 16-bit weights at stage 3"),
+)
+
+
+def _job_options(parser: argparse.ArgumentParser, suppress: bool = False) -> None:
+    """Options that build or amend the job: an Accelerate config, accelerate launch's DeepSpeed
+    flags, the values that fill a DeepSpeed config's "auto" (docs/accelerate.md)."""
+    default = argparse.SUPPRESS if suppress else None
+    g = parser.add_argument_group("job from an Accelerate config (see docs/accelerate.md)")
+    g.add_argument("--accelerate-config", metavar="FILE", default=default,
+                   help="an Accelerate config file (accelerate config's YAML); then the positional may be the "
+                   "training script, followed by its arguments, as with accelerate launch")
+    g.add_argument("--name", default=default, help="job name (without a job spec; default: the script's name)")
+    g.add_argument("--micro-batch-size", type=_positive_int, metavar="N", default=default,
+                   help="samples per rank per micro step: fills \"auto\" batch sizes of the DeepSpeed config")
+    g.add_argument("--hidden-size", type=_positive_int, metavar="N", default=default,
+                   help="the model's hidden size: fills the three \"auto\" bucket sizes")
+    g.add_argument("--model-config", metavar="PATH", default=default,
+                   help="a Hugging Face config.json (or its folder) to read the hidden size from")
+    for name, kind, help_ in _ACCELERATE_FLAGS:
+        g.add_argument(f"--{name.replace('_', '-')}", f"--{name}", dest=f"acc_{name}", type=kind,
+                       metavar=kind.__name__.upper(), default=default, help=f"{help_} (accelerate launch --{name})")
+
+
+def _job_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("spec", metavar="SPEC|SCRIPT", help="job spec (YAML); with --accelerate-config, a training "
+                        "script instead (then every later word is the script's argument)")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    _job_options(parser)
+
+
+def _job_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """Spec fields from the command line (paths absolute: they are the caller's, not the spec's)."""
+    out: dict[str, Any] = {}
+    for key in ("accelerate_config", "model_config"):
+        if getattr(args, key, None) is not None:
+            out[key] = os.path.abspath(os.path.expanduser(getattr(args, key)))
+    for key in ("micro_batch_size", "hidden_size"):
+        if getattr(args, key, None) is not None:
+            out[key] = getattr(args, key)
+    flags = {name: getattr(args, f"acc_{name}") for name, _, _ in _ACCELERATE_FLAGS
+             if getattr(args, f"acc_{name}", None) is not None}
+    if flags:
+        out["accelerate"] = flags
+    return out
+
+
+def _script_job_name(script: str) -> str:
+    stem = re.sub(r"[^A-Za-z0-9._-]", "-", Path(script).stem).lstrip("._-")[:63]
+    return stem or "job"
+
+
+def _load_job(args: argparse.Namespace) -> Any:
+    """The command's job: a spec file (amended by the options), or, with ``--accelerate-config`` and
+    a non-YAML positional, a job made of that script and its arguments.
+
+    Raises:
+        UsageError: words after a job spec that are not options.
+        SpecError: the spec (or the Accelerate config) has problems.
+    """
+    from .spec import load_spec, spec_from_dict
+    rest = list(getattr(args, "script_args", None) or [])
+    script_mode = getattr(args, "accelerate_config", None) is not None and \
+        not str(args.spec).endswith((".yaml", ".yml"))
+    if not script_mode and rest:  # options after the spec: parse them as options
+        p = argparse.ArgumentParser(prog=f"orch {args.command} SPEC", add_help=False)
+        _common_options(p, top=False)
+        _job_options(p, suppress=True)
+        extra, unknown = p.parse_known_args(rest, namespace=args)
+        if unknown:
+            raise UsageError(f"Unexpected arguments after the job spec {args.spec}: {' '.join(unknown)}. Put the "
+                             "script's arguments in the spec's args (or give --accelerate-config and the script).")
+        script_mode = getattr(args, "accelerate_config", None) is not None and \
+            not str(args.spec).endswith((".yaml", ".yml"))
+        rest = []
+    overrides = _job_overrides(args)
+    if not script_mode:
+        if getattr(args, "name", None):
+            overrides["name"] = args.name
+        return load_spec(args.spec, overrides=overrides or None)
+    data = {"name": getattr(args, "name", None) or _script_job_name(args.spec), "entrypoint": args.spec,
+            "args": rest, "workdir": os.getcwd(), **overrides}
+    return spec_from_dict(data, os.getcwd(), source=f"(from --accelerate-config {args.accelerate_config})")
+
 
 def _common_options(parser: argparse.ArgumentParser, top: bool) -> None:
     """The options every command takes, before or after the command's name.
@@ -700,10 +871,10 @@ def _parser() -> argparse.ArgumentParser:
 
     sp = add("plan", cmd_plan, "Show where every rank of a job would run, with its environment and command "
              "line, and the command the real launcher would run. Starts nothing.")
-    sp.add_argument("spec", help="job spec (YAML)")
+    _job_arguments(sp)
     sp = add("run", cmd_run, "Run a job in the foreground with live progress; exit 0 only if it succeeds. "
              "Ctrl-C cancels it.")
-    sp.add_argument("spec", help="job spec (YAML)")
+    _job_arguments(sp)
     sp = add("server", cmd_server, "Run the controller as a service: the HTTP API, the web dashboard (/) and "
              "the controller's Prometheus metrics (/metrics).")
     sp.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
@@ -712,7 +883,7 @@ def _parser() -> argparse.ArgumentParser:
                     help="directory for the Prometheus file_sd files of running attempts and of this server "
                          "(default $ORCH_PROMETHEUS_TARGETS or <state dir>/prometheus/targets; see docs/metrics.md)")
     sp = add("submit", cmd_submit, "Submit a job to the running orch server and return at once.")
-    sp.add_argument("spec", help="job spec (YAML)")
+    _job_arguments(sp)
     add("list", cmd_list, "List jobs, newest first.")
     sp = add("status", cmd_status, "Show a job: its attempts, their causes, and every rank's state and progress.")
     sp.add_argument("job", help="job id (or a unique prefix)")
@@ -732,6 +903,15 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("--exclude", type=_host_list, action="extend", default=[], metavar="HOST[,HOST...]",
                     help="leave these hostfile hosts out from now on (e.g. a lost node), so spare hosts take "
                     "their place; may be repeated")
+    sp.add_argument("--fresh", action="store_true",
+                    help="start from step 0, whatever checkpoints there are (without it, a job that had "
+                    "checkpoints but has no complete one is refused)")
+    sp = add("export", cmd_export, "Write a job's checkpoint as one consolidated fp32 state_dict file (DeepSpeed's "
+             "zero_to_fp32), loadable with torch.load + load_state_dict without DeepSpeed.")
+    sp.add_argument("job", help="job id (or a unique prefix)")
+    sp.add_argument("file", help="the file to write (torch.save format), e.g. model.pt; its directory must exist")
+    sp.add_argument("--tag", default=None, help="checkpoint tag, e.g. step_100 (default: the newest complete one); "
+                    "an incomplete tag is refused")
     return p
 
 

@@ -19,6 +19,7 @@ hidden behind the grace period; :meth:`Controller.wait` waits for both.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import os
 import queue
@@ -35,15 +36,17 @@ from typing import Any, Callable
 
 import psutil
 
-from .checkpoints import latest_complete
-from .errors import FilterError, HostfileError, OrchError, ProvisionError, SpecError, StateError
+from .checkpoints import (MARKER, CheckpointInfo, UniversalCheckpoint, convert_to_universal, latest_complete,
+                          needs_universal)
+from .errors import CheckpointError, FilterError, HostfileError, OrchError, ProvisionError, SpecError, StateError
 from .hostfile import ResourcePool, load_hostfile, resolve_pool
 from .launchers.deepspeed import ACCELERATOR_EXPORT_PREFIXES, deepspeed_env_files
 from .metrics import ControllerMetrics, TargetsWriter, attempt_targets, default_targets_dir
 from .plan import JobPlan, PlanInputs, make_plan
+from .preflight import PreflightRound
 from .ports import PortLease, default_lock_dir, reserve_port
 from .provisioners import AgentHandle, Provisioner, get_provisioner
-from .spec import JobSpec, load_deepspeed_config, spec_from_dict
+from .spec import JobSpec, spec_from_dict
 from .state import JobState
 from .store import JobRecord, Store
 
@@ -91,12 +94,14 @@ def _python(spec: JobSpec) -> str:
 
 
 def prepare_plan(spec: JobSpec, state_dir: str | Path, job_id: str, *, attempt: int = 1,
-                 resume_tag: str | None = None, hold_port: bool = True) -> tuple[JobPlan, PortLease]:
+                 resume_tag: str | None = None, hold_port: bool = True,
+                 resume_universal_from: str | None = None) -> tuple[JobPlan, PortLease]:
     """Gather what the planner needs (the I/O part) and plan one attempt.
 
     Reads the hostfile, applies the filters, checks the nodes can be reached as the
-    provisioner is configured (keys, names), reads the DeepSpeed config, reserves the
-    master port, then calls the pure :func:`orchestrator.plan.make_plan`.
+    provisioner is configured (keys, names), reads the DeepSpeed (and Accelerate) config and
+    resolves it for the pool's world size (``orchestrator.accelerate_config.job_deepspeed``),
+    reserves the master port, then calls the pure :func:`orchestrator.plan.make_plan`.
 
     Args:
         spec: the validated spec.
@@ -105,6 +110,8 @@ def prepare_plan(spec: JobSpec, state_dir: str | Path, job_id: str, *, attempt: 
         attempt: 1-based attempt number.
         resume_tag: the checkpoint tag to resume from, or None.
         hold_port: keep the port reserved (False for ``orch plan``, which only looks).
+        resume_universal_from: when ``resume_tag`` is a universal checkpoint, the tag it was
+            converted from (see :class:`orchestrator.plan.PlanInputs`).
 
     Returns:
         ``(plan, lease)``; release the lease when the attempt is over.
@@ -118,6 +125,8 @@ def prepare_plan(spec: JobSpec, state_dir: str | Path, job_id: str, *, attempt: 
     provisioner.check(pool)
     if attempt == 1:  # a restart that has just used the spare must still run
         _check_restart_policy(spec, provisioner, pool)
+    from .accelerate_config import job_deepspeed
+    job_ds = job_deepspeed(spec, [len(slots) for _, slots in pool.nodes], os.environ)  # resolved for this world
     master_addr = spec.master_addr or provisioner.master_addr(pool.hosts[0])
     lease = reserve_port(default_lock_dir(), spec.master_port, master_addr,
                          check_bind=spec.provisioner == "local", hold=hold_port)
@@ -128,9 +137,12 @@ def prepare_plan(spec: JobSpec, state_dir: str | Path, job_id: str, *, attempt: 
             run_dir=str((job_dir / f"attempt-{attempt}").resolve()),
             checkpoint_dir=checkpoint_dir_of(spec, state_dir, job_id),
             python=_python(spec), default_master_addr=master_addr,
-            resume_tag=resume_tag, controller_env=dict(os.environ), controller_cwd=spec.workdir,
+            resume_tag=resume_tag, resume_universal_from=resume_universal_from,
+            controller_env=dict(os.environ), controller_cwd=spec.workdir,
             deepspeed_env_lines=_deepspeed_env_lines(spec.workdir),
-            deepspeed_config=load_deepspeed_config(spec), accelerator_exports=_accelerator_exports())
+            deepspeed_config=job_ds.config, accelerator_exports=_accelerator_exports(),
+            accelerate_env_defaults=job_ds.env_defaults(), config_warnings=job_ds.warnings)
+        inputs = dataclasses.replace(inputs, accelerate_env=job_ds.env(inputs.deepspeed_config_path))
         plan = make_plan(spec, pool, inputs)
         return plan, lease
     except BaseException:
@@ -139,10 +151,16 @@ def prepare_plan(spec: JobSpec, state_dir: str | Path, job_id: str, *, attempt: 
 
 
 def _check_restart_policy(spec: JobSpec, provisioner: Provisioner, pool: ResourcePool) -> None:
-    """A policy that restarts without a lost node needs a spare host to put in its place.
+    """A policy that restarts without a lost node needs somewhere to restart.
+
+    A spare host takes the lost one's place; without one, a job that uses every host
+    (``num_nodes`` and ``include`` not set) restarts on the nodes left, from its last checkpoint
+    converted to DeepSpeed's universal format (:func:`orchestrator.checkpoints.convert_to_universal`).
+    A fixed ``num_nodes`` or ``include`` with no host beyond them, or a single host, cannot be
+    satisfied.
 
     Raises:
-        SpecError: ``exclude_failed_nodes`` with no host left over for a restart.
+        SpecError: ``exclude_failed_nodes`` with no host to restart on.
     """
     policy = spec.restart
     if not (policy.exclude_failed_nodes and policy.max_restarts and "node_lost" in policy.retry_on):
@@ -150,14 +168,21 @@ def _check_restart_policy(spec: JobSpec, provisioner: Provisioner, pool: Resourc
     every = _pool(spec.model_copy(update={"num_nodes": -1}), provisioner)
     if len(every.nodes) > len(pool.nodes):
         return
+    if spec.num_nodes == -1 and not spec.include and len(pool.nodes) > 1:
+        return  # the restart runs on fewer nodes
     if spec.num_nodes != -1:
         why = (f"num_nodes is {spec.num_nodes} and the hostfile (after the filters) has no host beyond them: "
                f"a restart without a lost node would have nowhere to go")
+        fix = f"set num_nodes below its {len(every.nodes)} host(s), "
+    elif spec.include:
+        why = (f"include {spec.include!r} names every host the job uses: a restart without a lost node would "
+               "have nowhere to go")
+        fix = ""
     else:
-        why = ("the job uses every host of the hostfile (num_nodes not set): a restart without a lost node "
-               "would run on fewer nodes, and orch cannot yet load a ZeRO checkpoint at a smaller world size")
-    raise SpecError(f"restart.exclude_failed_nodes: {why}. Add a spare host to the hostfile, set num_nodes below "
-                    f"its {len(every.nodes)} host(s), or turn exclude_failed_nodes off.")
+        why = "the job runs on a single host: a restart without it would have no node to run on"
+        fix = ""
+    raise SpecError(f"restart.exclude_failed_nodes: {why}. Add a spare host to the hostfile, {fix}or turn "
+                    "exclude_failed_nodes off.")
 
 
 def _pool(spec: JobSpec, provisioner: Provisioner) -> ResourcePool:
@@ -251,6 +276,7 @@ class AttemptRun:
         self._steps: dict[int, tuple[int | None, float]] = {}  # rank -> (last step, when it last moved)
         self._hang: dict[str, Any] | None = None  # a detected hang, waiting for the stack dumps
         self._targets_written = False
+        self._preflight: PreflightRound | None = None  # between every hello and the start (see _provision)
         self._thread = threading.Thread(target=self._main, name=f"attempt-{plan.attempt_id}", daemon=True)
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -273,11 +299,15 @@ class AttemptRun:
             self._teardown()
 
     def _provision(self) -> None:
-        """Start every node's agent, wait until each said hello, then send each its plan.
+        """Start every node's agent, wait until each said hello, run the preflight, then send
+        each node its plan.
 
         No rank starts anywhere until every node's agent is up: a node that cannot be
         reached, refuses the key or lacks the spec's Python fails the attempt with
-        ``provision_failed`` (every such node and its reason) before any rank runs.
+        ``provision_failed`` (every such node and its reason) before any rank runs. Then
+        (unless the spec turns it off) every node runs its preflight checks
+        (:mod:`orchestrator.preflight`); the main loop takes their answers
+        (:meth:`_on_preflight_result`) and sends ``start`` only once every node passed.
         """
         failures = self._start_agents()
         if not failures and not self.cancel_event.is_set():
@@ -290,12 +320,60 @@ class AttemptRun:
             return self._fail({"kind": "provision_failed", "nodes": nodes, "node": nodes[0]["node"],
                                "node_rank": nodes[0]["node_rank"],
                                "message": f"could not start the agent on {len(nodes)} node(s): {listing}"})
+        if self.spec.preflight.enabled:
+            return self._begin_preflight()
+        self._send_start()
+
+    def _send_start(self) -> None:
+        """Send every node its plan: the ranks start."""
         start_msg = {"type": "start", "attempt_id": self.plan.attempt_id, "grace": self.plan.grace,
                      "heartbeat_s": self.c.heartbeat_s, "lease_s": self.c.agent_lease_s}
         now = time.monotonic()
         for node in self.plan.nodes:
             self.last_heard[node.node_rank] = now
             self.agents[node.node_rank].send({**start_msg, "node": node.to_dict()})
+
+    # -- preflight ----------------------------------------------------------------------------
+
+    def _begin_preflight(self) -> None:
+        """Ask every node to run its checks; heartbeats (and node-loss detection) start now."""
+        self._preflight = PreflightRound(self.spec, self.plan, _python(self.spec),
+                                         timeout_s=self.c.preflight_timeout_s, heartbeat_s=self.c.heartbeat_s,
+                                         lease_s=self.c.agent_lease_s)
+        now = time.monotonic()
+        for node_rank, msg in self._preflight.requests().items():
+            self.last_heard[node_rank] = now
+            self.agents[node_rank].send(msg)
+
+    def _on_preflight_result(self, node_rank: int, msg: dict) -> None:
+        pf = self._preflight
+        if pf is None or pf.phase == "done" or self.state.is_terminal():
+            return
+        pf.record(node_rank, msg)
+        if not pf.phase_complete():
+            return
+        if pf.phase == "check":
+            for n, request in pf.list_requests().items():
+                self.agents[n].send(request)
+            if pf.phase == "list":
+                return
+        self._finish_preflight()
+
+    def _check_preflight(self) -> None:
+        """Fail the attempt when nodes are still checking past the preflight timeout."""
+        pf = self._preflight
+        if pf is not None and pf.phase != "done" and not self.state.is_terminal() and pf.overdue():
+            self._finish_preflight()
+
+    def _finish_preflight(self) -> None:
+        """Record every node's results (event ``preflight``); then fail or start the ranks."""
+        assert self._preflight is not None
+        event, cause = self._preflight.verdict()
+        self._preflight.phase = "done"
+        self.c.store.add_event(self.job_id, self.plan.attempt, "preflight", event)
+        if cause is not None:
+            return self._fail(cause)
+        self._send_start()
 
     def _start_agents(self) -> dict[int, str]:
         """Start the agents in parallel (at most ``provisioner.max_parallel`` at once)."""
@@ -344,14 +422,16 @@ class AttemptRun:
             node_rank, msg = self.events.get(timeout=0.1)
         except queue.Empty:
             node_rank, msg = None, None
-        if msg is not None and msg.get("type") != "eof":
-            self.last_heard[node_rank] = time.monotonic()
+        if msg is not None:
+            if msg.get("type") != "eof":  # a closed link is not a word from the agent
+                self.last_heard[node_rank] = time.monotonic()
             handler = getattr(self, f"_on_{msg.get('type')}", self._on_unknown)
             handler(node_rank, msg)
         if self.cancel_event.is_set() and not self.state.is_terminal():
             self._finish_cancelled()
         self._check_heartbeats()
         self._check_progress()
+        self._check_preflight()
         self._ping()
 
     def _ping(self) -> None:
@@ -524,7 +604,8 @@ class AttemptRun:
                 self._hang["cause"].setdefault("stack_errors", {}).update(msg["errors"])
 
     def _on_heartbeat(self, node_rank: int, msg: dict) -> None:
-        pass
+        if self._preflight is not None and self._preflight.phase != "done":
+            self._preflight.current[node_rank] = msg.get("preflight")  # named if the preflight times out
 
     def _on_warning(self, node_rank: int, msg: dict) -> None:
         self.c.store.add_event(self.job_id, self.plan.attempt, "warning",
@@ -627,6 +708,8 @@ class AttemptRun:
         finally:
             if self._targets_written:
                 self.c.targets.remove(self.plan.attempt_id)
+            if self._preflight is not None:  # tokens of agents that could not remove their own (where seen)
+                shutil.rmtree(self._preflight.shared_dir, ignore_errors=True)
             self.lease.release()
             self.c.store.mark_stopped(self.job_id, self.plan.attempt)
             self.c.store.set_owner(self.job_id, None)
@@ -732,7 +815,8 @@ class Controller:
             (default ``$ORCH_NODE_TIMEOUT_S`` or 3 s).
         agent_lease_s: the controller's silence after which an agent stops its ranks
             (default ``$ORCH_AGENT_LEASE_S`` or 15 s). Agents also get
-            ``$ORCH_PROVISION_TIMEOUT_S`` (default 120 s) to start and say hello.
+            ``$ORCH_PROVISION_TIMEOUT_S`` (default 120 s) to start and say hello, and
+            ``$ORCH_PREFLIGHT_TIMEOUT_S`` (default 60 s) for their preflight checks.
         owner_url: the API URL of this controller, recorded as the owner of its jobs.
         recover_every_s: if > 0, look for orphaned jobs (see :func:`recover_orphans`) this often;
             ``orch server`` does, so a killed ``orch run`` is noticed.
@@ -753,6 +837,7 @@ class Controller:
         self.node_timeout_s = node_timeout_s or _env_seconds("ORCH_NODE_TIMEOUT_S", 3.0)
         self.agent_lease_s = agent_lease_s or _env_seconds("ORCH_AGENT_LEASE_S", 15.0)
         self.provision_timeout_s = _env_seconds("ORCH_PROVISION_TIMEOUT_S", 120.0)
+        self.preflight_timeout_s = _env_seconds("ORCH_PREFLIGHT_TIMEOUT_S", 60.0)
         proc = psutil.Process()
         self.owner = {"pid": proc.pid, "host": socket.gethostname(), "create_time": proc.create_time(),
                       "url": owner_url}
@@ -762,6 +847,7 @@ class Controller:
                                      else default_targets_dir(self.state_dir))
         self._runs: dict[str, AttemptRun] = {}
         self._restarts: dict[str, threading.Event] = {}  # job id -> set to call a pending restart off
+        self._scanned_lost = False  # looked for FAILED jobs of a dead server (recover())
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._watcher = threading.Thread(target=self._watch_requests, name="cancel-watcher", daemon=True)
@@ -801,8 +887,17 @@ class Controller:
         self._start_attempt(spec, plan, lease, provisioner)
         return self.store.get_job(job_id)
 
-    def resume(self, job_id: str, exclude_hosts: list[str] | None = None, automatic: bool = False) -> JobRecord:
+    def resume(self, job_id: str, exclude_hosts: list[str] | None = None, automatic: bool = False,
+               fresh: bool = False) -> JobRecord:
         """Start a new attempt of a FAILED or CANCELLED job from its last complete checkpoint.
+
+        When the new attempt has another world size than the one that saved the checkpoint,
+        the checkpoint is first converted to DeepSpeed's universal format here, on this
+        controller's host (:func:`orchestrator.checkpoints.convert_to_universal`; event
+        ``checkpoint_converted``), and the attempt starts from ``<tag>_universal`` with
+        ``checkpoint.load_universal`` in its DeepSpeed config and ``ORCH_RESUME_UNIVERSAL=1``.
+        Without a complete checkpoint the attempt starts from step 0 only where the job never
+        checkpointed (see :meth:`_check_fresh_start`) or ``fresh`` asks for it.
 
         Args:
             job_id: the job (or a unique prefix of its id).
@@ -810,10 +905,14 @@ class Controller:
                 join the spec's ``exclude_hosts`` and are removed from the hostfile before its
                 filters and ``num_nodes``/``num_gpus`` apply, so a spare host can take the
                 lost one's place.
+            automatic: a restart by the job's restart policy (not by hand).
+            fresh: start from step 0 whatever checkpoints there are (``orch resume --fresh``).
 
         Raises:
             NotFoundError: no such job.
             StateError: the job is not FAILED or CANCELLED, or its last attempt is still stopping.
+            CheckpointError: no complete checkpoint where the job had checkpoints, or the
+                conversion to the universal format failed.
             OrchError: the new attempt cannot be planned (the job stays as it was).
         """
         self.recover()
@@ -836,13 +935,26 @@ class Controller:
             merged = list(dict.fromkeys([*spec.exclude_hosts, *exclude_hosts]))
             spec = spec.model_copy(update={"exclude_hosts": merged})
         number = job.attempt + 1
-        info, skipped = latest_complete(checkpoint_dir_of(spec, self.state_dir, job.id))
+        ckpt_dir = checkpoint_dir_of(spec, self.state_dir, job.id)
+        info, skipped = (None, []) if fresh else latest_complete(ckpt_dir)
+        if info is None and not fresh:
+            self._check_fresh_start(job, spec, ckpt_dir, skipped, automatic)
         plan, lease = prepare_plan(spec, self.state_dir, job.id, attempt=number,
                                    resume_tag=info.tag if info else None)
+        if info is not None and needs_universal(info, plan.world_size):
+            lease.release()  # converting may take minutes; the port is reserved again below
+            universal = self._convert(job.id, number, spec, info, plan.world_size)
+            with self._lock:
+                called_off = automatic and job.id not in self._restarts
+            if called_off:  # cancelled (or resumed by hand) while converting: the restart is off
+                return self.store.get_job(job.id)
+            plan, lease = prepare_plan(spec, self.state_dir, job.id, attempt=number, resume_tag=universal.tag,
+                                       resume_universal_from=info.tag)
         try:
             provisioner = self.provisioner_factory(spec.provisioner, spec)
             self.store.set_state(job.id, JobState.PENDING, data={
-                "resume_tag": info.tag if info else None, "exclude_hosts": spec.exclude_hosts, "automatic": automatic,
+                "resume_tag": plan.resume_tag, "resume_universal_from": plan.resume_universal_from,
+                "fresh": fresh, "exclude_hosts": spec.exclude_hosts, "automatic": automatic,
                 "skipped_checkpoints": [{"tag": s.tag, "problems": list(s.problems)} for s in skipped]})
             if exclude_hosts:
                 self.store.update_spec(job.id, spec.to_dict())
@@ -852,6 +964,60 @@ class Controller:
             raise
         self._start_attempt(spec, plan, lease, provisioner)
         return self.store.get_job(job.id)
+
+    def _check_fresh_start(self, job: JobRecord, spec: JobSpec, ckpt_dir: str, skipped: list[CheckpointInfo],
+                           automatic: bool) -> None:
+        """Allow a resume without a complete checkpoint to start from step 0, or refuse it.
+
+        By hand (``orch resume`` without ``--fresh``) it is refused when the job had
+        checkpointing: the spec names a ``checkpoint_dir`` (even an empty or missing one), or the
+        checkpoint directory holds anything besides orch's own hidden entries (incomplete tags,
+        DeepSpeed's ``latest``), or an earlier attempt started from a checkpoint (the directory
+        merely existing says nothing: preflight creates it). An automatic restart starts from
+        step 0 unless the job ever finished a save (a tag holds a completion marker, however
+        damaged since) or an earlier attempt started from a checkpoint: restarting such a job
+        from step 0 would silently throw its training away.
+
+        Raises:
+            CheckpointError: refused; names the directory and why each tag in it was skipped.
+        """
+        resumed = [a.resume_tag for a in self.store.attempts(job.id) if a.resume_tag]
+        root = Path(ckpt_dir)
+        if automatic:
+            if not resumed and not any((Path(s.path) / MARKER).exists() for s in skipped):
+                return
+        elif not (spec.checkpoint_dir or resumed or skipped or _has_entries(root)):
+            return
+        if skipped:
+            what = "every checkpoint tag in it is incomplete:\n" + "\n".join(
+                f"  {s.tag}: {'; '.join(s.problems)}" for s in skipped)
+        elif not root.exists():
+            what = "the directory does not exist (no checkpoint was saved there)"
+        else:
+            what = "it holds no checkpoint tag directory"
+        earlier = (f"\nEarlier attempts started from {', '.join(dict.fromkeys(resumed))}, which is gone or "
+                   "damaged." if resumed else "")
+        then = "The automatic restart is not done, since it would start from step 0. " if automatic else ""
+        raise CheckpointError(f"Job {job.id} has no complete checkpoint to resume from in {ckpt_dir}: {what}"
+                              f"{earlier}\n{then}To start it again from step 0: orch resume {job.id} --fresh")
+
+    def _convert(self, job_id: str, number: int, spec: JobSpec, info: CheckpointInfo,
+                 world_size: int) -> UniversalCheckpoint:
+        """Convert ``info`` to DeepSpeed's universal format for attempt ``number`` (on this host, with
+        the spec's Python and ``env``), and record it as a ``checkpoint_converted`` event.
+
+        Raises:
+            CheckpointError: see :func:`orchestrator.checkpoints.convert_to_universal`.
+        """
+        env = {k: v for k, v in os.environ.items() if not k.startswith("ORCH_")}
+        universal = convert_to_universal(info, _python(spec), env={**env, **spec.env},
+                                         timeout=_env_seconds("ORCH_CONVERT_TIMEOUT_S", 3600.0))
+        self.store.add_event(job_id, number, "checkpoint_converted", {
+            "from_tag": info.tag, "tag": universal.tag, "step": info.step, "zero_stage": info.zero_stage,
+            "from_world_size": info.world_size, "from_dp_world_size": info.dp_world_size,
+            "to_world_size": world_size, "seconds": round(universal.seconds, 3), "reused": universal.reused,
+            "path": universal.path})
+        return universal
 
     def cancel(self, job_id: str, reason: str = "cancelled by the user") -> JobRecord:
         """Cancel a job: its ranks are stopped within the grace period.
@@ -901,19 +1067,28 @@ class Controller:
         """After an attempt stopped: restart the job later if its policy says so."""
         if self._closed.is_set():
             return
+        self._apply_restart_policy(run.job_id, run.spec, run.plan.attempt)
+
+    def _apply_restart_policy(self, job_id: str, spec: JobSpec, attempt: int) -> bool:
+        """Schedule an automatic restart of a FAILED job whose last attempt is ``attempt``, if
+        ``spec.restart`` retries its cause and restarts are left; returns whether it did.
+
+        The decision is recorded as an event: ``restart_scheduled`` (restart number, wait,
+        hosts left out), or a ``warning`` when ``max_restarts`` is used up.
+        """
         try:
-            job = self.store.get_job(run.job_id)
-            policy = run.spec.restart
-            if job.state != JobState.FAILED or policy.max_restarts == 0 or job.attempt != run.plan.attempt:
-                return
+            job = self.store.get_job(job_id)
+            policy = spec.restart
+            if job.state != JobState.FAILED or policy.max_restarts == 0 or job.attempt != attempt:
+                return False
             done = sum(1 for e in self.store.events(job.id) if e.kind == "restart_scheduled")
             cause = job.cause or {}
             if not policy.retries(cause):
-                return
+                return False
             if done >= policy.max_restarts:
                 self.store.add_event(job.id, job.attempt, "warning", {
                     "message": f"no automatic restart: the job was restarted {done} time(s), its max_restarts"})
-                return
+                return False
             delay = policy.backoff(done)
             exclude = [cause["node"]] if policy.exclude_failed_nodes and cause.get("kind") == "node_lost" \
                 and cause.get("node") else []
@@ -921,14 +1096,15 @@ class Controller:
                 "restart": done + 1, "max_restarts": policy.max_restarts, "in_seconds": delay,
                 "exclude_hosts": exclude, "cause_kind": cause.get("kind")})
         except OrchError as err:
-            self._log_restart_failure(run.job_id, f"cannot decide on a restart: {err}")
-            return
+            self._log_restart_failure(job_id, f"cannot decide on a restart: {err}")
+            return False
         called_off = threading.Event()
         with self._lock:
             self._restarts[job.id] = called_off
         self.store.set_owner(job.id, self.owner)  # so that `orch cancel` elsewhere reaches this controller
         threading.Thread(target=self._restart_later, args=(job.id, delay, exclude, called_off),
                          name=f"restart-{job.id}", daemon=True).start()
+        return True
 
     def _restart_later(self, job_id: str, delay: float, exclude: list[str], called_off: threading.Event) -> None:
         try:
@@ -968,8 +1144,41 @@ class Controller:
             pass
 
     def recover(self) -> list[str]:
-        """Fail the jobs whose controller died while they ran (see :func:`recover_orphans`)."""
-        return recover_orphans(self.store)
+        """Fail the jobs whose controller died while they ran (see :func:`recover_orphans`).
+
+        An ``orch server`` (a controller with an ``owner_url``) then applies each such job's
+        restart policy, as for any failed attempt (cause ``controller_lost``), when an orch
+        server was running it: so a killed server's jobs continue from their last complete
+        checkpoint once a server runs again. A killed ``orch run``'s job stays FAILED for
+        ``orch resume``: nobody watches it any more. Returns the ids failed now.
+        """
+        recovered = recover_orphans(self.store)
+        if self.owner.get("url") and not self._closed.is_set():
+            for job_id in self._controller_lost_jobs(recovered):
+                try:
+                    job = self.store.get_job(job_id)
+                    self._apply_restart_policy(job.id, spec_from_dict(job.spec, source=f"job {job.id}"),
+                                               job.attempt)
+                except OrchError as err:
+                    self._log_restart_failure(job_id, f"cannot decide on a restart: {err}")
+        return recovered
+
+    def _controller_lost_jobs(self, recovered: list[str]) -> list[str]:
+        """Jobs whose restart policy this server is to apply: the ones just recovered, and (once,
+        at the server's start) FAILED ones whose server died and whose restart nobody decided yet
+        (another command may have noticed the death first)."""
+        ids = list(recovered)
+        if not self._scanned_lost:
+            self._scanned_lost = True
+            for job in self.store.list_jobs(limit=10_000):
+                cause = job.cause or {}
+                if job.state != JobState.FAILED or cause.get("kind") != "controller_lost" or job.id in ids \
+                        or job.owner or job.id in self._restarts:
+                    continue
+                later = [e.kind for e in self.store.events(job.id) if e.attempt == job.attempt]
+                if "restart_scheduled" not in later and "restart_failed" not in later:
+                    ids.append(job.id)
+        return [j for j in ids if (self.store.get_job(j).cause or {}).get("server")]
 
     def close(self, cancel: bool = True, timeout: float = 60.0,
               reason: str = "cancelled: the controller running it shut down") -> None:
@@ -991,7 +1200,7 @@ class Controller:
 
     def _start_attempt(self, spec: JobSpec, plan: JobPlan, lease: PortLease, provisioner: Provisioner) -> None:
         os.makedirs(os.path.join(plan.run_dir, "logs"), exist_ok=True)
-        if spec.deepspeed_config is not None:
+        if spec.deepspeed_config is not None or plan.deepspeed_config:  # or built from an Accelerate config
             with open(plan.deepspeed_config_path, "w") as f:
                 json.dump(plan.deepspeed_config, f, indent=2)
         with open(os.path.join(plan.run_dir, "plan.json"), "w") as f:
@@ -1047,8 +1256,12 @@ def recover_orphans(store: Store) -> list[str]:
             continue
         if job.attempt:
             kill_marked(f"{job.id}.{job.attempt}")
-        cause = {"kind": "controller_lost", "message": "the controller running this job went away; its agents "
-                 f"stopped the ranks. Continue from the last checkpoint with: orch resume {job.id}"}
+        server = (job.owner or {}).get("url")
+        cause = {"kind": "controller_lost", "server": server,
+                 "message": f"the controller running this job ({'orch server at ' + server if server else 'orch run'}) "
+                 "went away; its agents stopped the ranks. Continue from the last checkpoint with: "
+                 f"orch resume {job.id}" + (" (an orch server restarts it if its restart policy says so)"
+                                            if server else "")}
         try:
             store.set_state(job.id, JobState.FAILED, cause=cause)
         except StateError:  # someone else recorded an end meanwhile
@@ -1077,6 +1290,14 @@ def _env_seconds(name: str, default: float) -> float:
     except ValueError:
         return default
     return value if value > 0 else default
+
+
+def _has_entries(directory: Path) -> bool:
+    """Whether a directory holds anything but hidden entries (orch's own, e.g. preflight's)."""
+    try:
+        return any(not e.name.startswith(".") for e in directory.iterdir())
+    except OSError:
+        return False
 
 
 def _owner_alive(owner: dict[str, Any] | None) -> bool:

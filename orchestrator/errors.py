@@ -14,11 +14,14 @@ __all__ = [
     "HostfileError",
     "FilterError",
     "SpecError",
+    "ConfigError",
     "PlanError",
     "LaunchError",
     "StateError",
     "NotFoundError",
     "ProvisionError",
+    "CheckpointError",
+    "ExportError",
 ]
 
 
@@ -73,6 +76,11 @@ class SpecError(OrchError):
         self.problems = list(problems or [])
 
 
+class ConfigError(SpecError):
+    """An Accelerate config or a DeepSpeed config cannot be used (orchestrator.accelerate_config,
+    orchestrator.dsconfig); ``problems`` holds one ``(key path, message with the fix)`` per problem."""
+
+
 class PlanError(OrchError):
     """A valid spec cannot be planned (e.g. a port in use, no ranks left after filtering)."""
 
@@ -91,3 +99,13 @@ class NotFoundError(OrchError):
 
 class ProvisionError(OrchError):
     """Agents could not be started on one or more nodes; the message names each node and why."""
+
+
+class CheckpointError(OrchError):
+    """No checkpoint to resume from where one was expected, or one could not be converted
+    (e.g. to DeepSpeed's universal format); the message names the directory and why."""
+
+
+class ExportError(CheckpointError):
+    """A checkpoint cannot be exported as a consolidated state dict (orchestrator.export): no
+    complete tag, a tag DeepSpeed cannot read, or an output file that cannot be written."""

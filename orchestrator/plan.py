@@ -39,6 +39,10 @@ class PlanInputs:
         default_master_addr: master address when the spec sets none (the provisioner's
             address of node 0; ``127.0.0.1`` for local agents).
         resume_tag: checkpoint tag the attempt resumes from, or None.
+        resume_universal_from: when ``resume_tag`` is a universal checkpoint orch converted (the
+            world size changed), the tag it was converted from; else None. The attempt's DeepSpeed
+            config then gets ``"checkpoint": {"load_universal": true}`` and every rank
+            ``ORCH_RESUME_UNIVERSAL=1``.
         controller_env: the controller's environment (DeepSpeed's pdsh runner exports
             some of its variables to every node).
         controller_cwd: the runner's working directory, which DeepSpeed's pdsh runner puts
@@ -50,6 +54,11 @@ class PlanInputs:
             CUDA, none for CPU), exported under pdsh.
         node_metrics_dir: a node-local directory under which each agent keeps its attempt's
             metrics files (``<dir>/<attempt id>/node-<n>``; see agents/metrics.py).
+        accelerate_env: what ``accelerate launch`` adds to every rank's environment (``ACCELERATE_*``,
+            ``PYTHONPATH``; ``orchestrator.accelerate_config``), laid over the launcher's variables;
+            empty for a job without an Accelerate config.
+        accelerate_env_defaults: variables ``accelerate launch`` passes on where a node lacks them.
+        config_warnings: notes on the Accelerate and DeepSpeed configs (shown with the plan's warnings).
     """
 
     job_id: str
@@ -60,12 +69,16 @@ class PlanInputs:
     attempt: int = 1
     default_master_addr: str = "127.0.0.1"
     resume_tag: str | None = None
+    resume_universal_from: str | None = None
     controller_env: Mapping[str, str] = field(default_factory=dict)
     controller_cwd: str = "/"
     deepspeed_env_lines: tuple[str, ...] = ()
     deepspeed_config: Mapping[str, Any] = field(default_factory=dict)
     accelerator_exports: tuple[str, ...] = ()
     node_metrics_dir: str = "/tmp/orch-metrics"
+    accelerate_env: Mapping[str, str] = field(default_factory=dict)
+    accelerate_env_defaults: Mapping[str, str] = field(default_factory=dict)
+    config_warnings: tuple[str, ...] = ()
 
     @property
     def attempt_id(self) -> str:
@@ -162,6 +175,7 @@ class JobPlan:
         deepspeed_config: the resolved DeepSpeed config; deepspeed_config_path: its file.
         grace: seconds between SIGTERM and SIGKILL when stopping ranks.
         warnings: things the user should know (from filtering and planning).
+        resume_universal_from: the tag a universal ``resume_tag`` was converted from, or None.
     """
 
     job_id: str
@@ -182,6 +196,7 @@ class JobPlan:
     deepspeed_config_path: str
     grace: float
     warnings: tuple[str, ...] = ()
+    resume_universal_from: str | None = None
 
     @property
     def attempt_id(self) -> str:
@@ -202,7 +217,8 @@ class JobPlan:
             "real_commands": [{"where": c.where, "argv": list(c.argv), "env": dict(c.env)}
                               for c in self.real_commands],
             "exports": dict(self.exports), "run_dir": self.run_dir, "checkpoint_dir": self.checkpoint_dir,
-            "resume_tag": self.resume_tag, "deepspeed_config": dict(self.deepspeed_config),
+            "resume_tag": self.resume_tag, "resume_universal_from": self.resume_universal_from,
+            "deepspeed_config": dict(self.deepspeed_config),
             "deepspeed_config_path": self.deepspeed_config_path, "grace": self.grace,
             "warnings": list(self.warnings),
         }
@@ -222,10 +238,12 @@ def orch_env(spec: JobSpec, inputs: PlanInputs, node_rank: int, host: str) -> di
         "ORCH_RUN_DIR": inputs.run_dir,
         "ORCH_CHECKPOINT_DIR": inputs.checkpoint_dir,
     }
-    if spec.deepspeed_config is not None:
+    if spec.deepspeed_config is not None or inputs.deepspeed_config:  # or built from an Accelerate config
         env["ORCH_DEEPSPEED_CONFIG"] = inputs.deepspeed_config_path
     if inputs.resume_tag:
         env["ORCH_RESUME_TAG"] = inputs.resume_tag
+        if inputs.resume_universal_from:
+            env["ORCH_RESUME_UNIVERSAL"] = "1"
     return env
 
 
@@ -278,6 +296,17 @@ def _with_monitor(config: Mapping[str, Any], metrics_dir: str) -> tuple[dict, st
     return config, None
 
 
+def _with_load_universal(config: Mapping[str, Any]) -> dict:
+    """The DeepSpeed config with ``"checkpoint": {"load_universal": true}``, which makes
+    ``DeepSpeedEngine.load_checkpoint`` read a universal checkpoint's ``zero/`` folder
+    (``deepspeed.runtime.config``: ``checkpoint.load_universal``). No config (the script brings its
+    own): nothing; the rank's ``ORCH_RESUME_UNIVERSAL=1`` still says so."""
+    config = dict(config)
+    if config:
+        config["checkpoint"] = {**dict(config.get("checkpoint") or {}), "load_universal": True}
+    return config
+
+
 def make_plan(spec: JobSpec, pool: ResourcePool, inputs: PlanInputs) -> JobPlan:
     """Plan one attempt of ``spec`` on ``pool``.
 
@@ -302,7 +331,7 @@ def make_plan(spec: JobSpec, pool: ResourcePool, inputs: PlanInputs) -> JobPlan:
         raise PlanError(f"Host(s) {', '.join(empty)} have no slots (slots=0 in the hostfile); remove "
                         "them or exclude them, so that every node runs at least one rank.")
     args = list(spec.args)
-    if spec.deepspeed_args and spec.deepspeed_config is not None:
+    if spec.deepspeed_args and (spec.deepspeed_config is not None or inputs.deepspeed_config):
         args += ["--deepspeed", "--deepspeed_config", inputs.deepspeed_config_path]
     exports = _launcher_exports(spec, inputs, len(pool.nodes))
     ctx = LaunchContext(
@@ -315,14 +344,17 @@ def make_plan(spec: JobSpec, pool: ResourcePool, inputs: PlanInputs) -> JobPlan:
     log_dir = os.path.join(inputs.run_dir, "logs")
     metrics_dir = os.path.join(inputs.node_metrics_dir, inputs.attempt_id)
     ds_config, monitor_dir = _with_monitor(inputs.deepspeed_config, metrics_dir)
+    if inputs.resume_tag and inputs.resume_universal_from:
+        ds_config = _with_load_universal(ds_config)
     nodes = []
     for node_rank, (host, slots) in enumerate(pool.nodes):
         extra = orch_env(spec, inputs, node_rank, host)
         ranks = tuple(RankPlan(r.global_rank, r.local_rank, r.slot, tuple(r.argv),
-                               {**spec.env, **r.env, **extra})
+                               {**spec.env, **r.env, **inputs.accelerate_env, **extra})
                       for r in launcher.ranks(ctx, node_rank))
         store = launcher.agent_store(ctx, node_rank)
-        defaults = {k: v for k, v in launcher.env_defaults(ctx, node_rank).items() if k not in spec.env}
+        defaults = {k: v for k, v in {**inputs.accelerate_env_defaults, **launcher.env_defaults(ctx, node_rank)}.items()
+                    if k not in spec.env}
         nodes.append(NodePlan(node_rank, host, tuple(slots), ranks, spec.workdir, log_dir,
                               {"addr": store[0], "port": store[1]} if store else None, defaults,
                               _metrics_port(spec, pool, node_rank), metrics_dir,
@@ -335,4 +367,5 @@ def make_plan(spec: JobSpec, pool: ResourcePool, inputs: PlanInputs) -> JobPlan:
         exports={**exports, **spec.env}, run_dir=inputs.run_dir, checkpoint_dir=inputs.checkpoint_dir,
         resume_tag=inputs.resume_tag, deepspeed_config=ds_config,
         deepspeed_config_path=inputs.deepspeed_config_path, grace=spec.stop_grace_seconds,
-        warnings=tuple(pool.warnings) + tuple(launcher.warnings(shown)))
+        warnings=tuple(pool.warnings) + tuple(launcher.warnings(shown)) + tuple(inputs.config_warnings),
+        resume_universal_from=inputs.resume_universal_from if inputs.resume_tag else None)

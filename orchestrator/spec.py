@@ -17,12 +17,13 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Mapping
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from .accelerate_config import AccelerateSettings
 from .errors import SpecError
 
 __all__ = ["JobSpec", "SSHOptions", "RayOptions", "load_spec", "spec_from_dict", "load_deepspeed_config", "PROVISIONERS",
-           "KNOWN_LAUNCHERS"]
+           "KNOWN_LAUNCHERS", "PreflightOptions"]
 
 #: Provisioners a spec may name. Only ``local`` is available in this version.
 PROVISIONERS = ("local", "ssh", "ray")
@@ -76,7 +77,26 @@ class RayOptions(BaseModel):
     connect_timeout: float = Field(30.0, gt=0, le=600, description="Seconds to reach the cluster.")
 
 
-RETRY_CAUSES = ("rank_exit", "node_lost", "no_progress", "provision_failed")
+class PreflightOptions(BaseModel):
+    """What every node checks before the first rank starts (the spec's ``preflight`` section;
+    ``preflight: false`` is short for ``{enabled: false}``). See docs/jobspec.md."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enabled: bool = Field(True, description="Run the preflight checks; false: ranks start right after every "
+                          "node's agent is up.")
+    shared_checkpoint_dir: bool = Field(True, description="Check that every node sees the same checkpoint_dir "
+                                        "(shared storage); false for node-local checkpoint directories.")
+    import_deepspeed: bool = Field(False, description="Import deepspeed under the spec's Python (seconds per "
+                                   "node) instead of only finding deepspeed and torch (milliseconds).")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, value: Any) -> Any:
+        return {"enabled": value} if isinstance(value, bool) else value
+
+
+RETRY_CAUSES = ("rank_exit", "node_lost", "no_progress", "provision_failed", "preflight_failed")
 
 
 class RestartPolicy(BaseModel):
@@ -93,9 +113,11 @@ class RestartPolicy(BaseModel):
     backoff_seconds: float = Field(5.0, ge=0, le=3600, description="Wait before the first restart.")
     backoff_factor: float = Field(2.0, ge=1, le=100, description="Each further restart waits this much longer.")
     max_backoff_seconds: float = Field(300.0, ge=0, le=86400, description="The longest wait.")
-    retry_on: list[Literal["rank_exit", "node_lost", "no_progress", "provision_failed"]] = Field(
-        default_factory=lambda: ["rank_exit", "node_lost", "no_progress"],
-        description="Causes of failure that are restarted.")
+    retry_on: list[Literal["rank_exit", "node_lost", "no_progress", "provision_failed", "controller_lost",
+                        "preflight_failed"]] = Field(
+        default_factory=lambda: ["rank_exit", "node_lost", "no_progress", "controller_lost"],
+        description="Causes of failure that are restarted (controller_lost: by the next orch server, for "
+                    "jobs an orch server ran).")
     retry_exit_codes: list[int] | None = Field(None, description="Only rank exits with these codes are "
                                                "restarted (a signal is its negative number); null: any.")
     exclude_failed_nodes: bool = Field(False, description="Restart without a lost node (a spare host of the "
@@ -150,6 +172,16 @@ class JobSpec(BaseModel):
     no_local_rank: bool = False
     deepspeed_config: str | dict[str, Any] | None = None
     deepspeed_args: bool = False
+    accelerate_config: str | dict[str, Any] | None = Field(None, description="An Accelerate config file "
+                                                           "(`accelerate config`'s YAML), or its keys inline.")
+    accelerate: AccelerateSettings = Field(default_factory=AccelerateSettings, description="accelerate launch's "
+                                           "DeepSpeed flags; they win over accelerate_config's keys.")
+    micro_batch_size: int | None = Field(None, ge=1, description="Samples per rank per micro step: fills the "
+                                         "DeepSpeed config's \"auto\" batch sizes.")
+    hidden_size: int | None = Field(None, ge=1, description="The model's hidden size: fills the three \"auto\" "
+                                    "bucket sizes of the DeepSpeed config.")
+    model_config_path: str | None = Field(None, alias="model_config", description="A Hugging Face model "
+                                          "config.json (or its folder) to read the hidden size from.")
     checkpoint_dir: str | None = None
     metrics_port: Annotated[int, Field(ge=1, le=65535)] | Literal["auto"] | None = "auto"
     stop_grace_seconds: float = Field(10.0, gt=0, le=3600)
@@ -160,6 +192,7 @@ class JobSpec(BaseModel):
     ssh: SSHOptions = Field(default_factory=SSHOptions)
     ray: RayOptions = Field(default_factory=RayOptions)
     restart: RestartPolicy = Field(default_factory=RestartPolicy)
+    preflight: PreflightOptions = Field(default_factory=PreflightOptions)
     exclude_hosts: list[str] = Field(default_factory=list, description="Hosts never to use (e.g. lost "
                                      "nodes, added by `orch resume --exclude`); removed from the hostfile "
                                      "before the filters and num_nodes/num_gpus apply.")
@@ -214,11 +247,14 @@ class JobSpec(BaseModel):
         if self.module and self.no_python:
             problems.append(("no_python", "module and no_python cannot both be true (same as DeepSpeed's "
                                           "launcher)"))
+        if self.accelerate.given() and self.accelerate_config is None:
+            problems.append(("accelerate", "sets accelerate launch's flags, which need accelerate_config (the "
+                                           "Accelerate config file they override); add accelerate_config"))
         return problems
 
     def to_dict(self) -> dict:
         """The spec as a JSON-able dict (what the store keeps)."""
-        return self.model_dump(mode="json")
+        return self.model_dump(mode="json", by_alias=True)
 
 
 def _loc_to_path(loc: tuple) -> str:
@@ -258,7 +294,7 @@ def _problems_from(err: ValidationError, tree: yaml.Node | None) -> list[tuple[s
         loc = tuple(p for p in e["loc"] if not (isinstance(p, str) and p in ("int", "str", "dict[str,any]", "literal['auto']")))
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
-            valid = ", ".join(JobSpec.model_fields)
+            valid = ", ".join(f.alias or n for n, f in JobSpec.model_fields.items())
             msg = f"unknown field; valid fields are: {valid}"
         elif e["type"] == "missing":
             msg = "required field is missing"
@@ -306,26 +342,38 @@ def spec_from_dict(data: Any, base_dir: str | Path = ".", source: str = "<spec>"
         check_files: also check that the files the spec names exist (hostfile,
             workdir, entrypoint, DeepSpeed config file) and that the config is valid JSON.
 
+    An ``accelerate_config`` is read first and its keys fill the fields ``data`` does not set
+    (``orchestrator.accelerate_config.AccelerateConfig.spec_fields``); its problems (by key path
+    and line of that file, Accelerate's ambiguity rule included) are listed with the spec's.
+
     Returns:
         The frozen JobSpec, with ``hostfile``, ``workdir``, ``entrypoint`` (a script
-        path, unless ``module``/``no_python``), ``deepspeed_config`` (a path) and
-        ``checkpoint_dir`` absolute.
+        path, unless ``module``/``no_python``), ``deepspeed_config`` (a path),
+        ``accelerate_config`` (a path), ``model_config`` and ``checkpoint_dir`` absolute.
 
     Raises:
         SpecError: listing every problem by field path (and line, for files).
     """
     if not isinstance(data, Mapping):
         _raise([("(spec)", f"expected a mapping of fields (name: ..., entrypoint: ...); got {type(data).__name__}", None)], source)
+    accelerate_problems: list[tuple[str, str]] = []
+    if data.get("accelerate_config") is not None:  # its keys become the spec's where the spec is silent
+        from .accelerate_config import read_for_spec
+        data, accelerate_problems = read_for_spec(dict(data), base_dir)
+    accelerate_lines = [(p, m, _line_of(_tree, ("accelerate_config",))) for p, m in accelerate_problems]
     try:
         spec = JobSpec.model_validate(dict(data))
     except ValidationError as err:
-        _raise(_problems_from(err, _tree), source)
+        _raise(_problems_from(err, _tree) + accelerate_lines, source)
     base = Path(base_dir).resolve()
     workdir = _resolve(base, spec.workdir)
     updates: dict[str, Any] = {"workdir": workdir, "hostfile": _resolve(base, spec.hostfile),
                                "checkpoint_dir": _resolve(base, spec.checkpoint_dir)}
     if isinstance(spec.deepspeed_config, str):
         updates["deepspeed_config"] = _resolve(base, spec.deepspeed_config)
+    if isinstance(spec.accelerate_config, str):
+        updates["accelerate_config"] = _resolve(base, spec.accelerate_config)
+    updates["model_config_path"] = _resolve(base, spec.model_config_path)
     if not (spec.module or spec.no_python):
         updates["entrypoint"] = _resolve(Path(workdir), spec.entrypoint)
     ssh_paths = {k: _resolve(base, getattr(spec.ssh, k)) for k in ("identity_file", "known_hosts", "config_file")}
@@ -334,8 +382,8 @@ def spec_from_dict(data: Any, base_dir: str | Path = ".", source: str = "<spec>"
     problems = spec.cross_field_problems() + _support_problems(spec)
     if check_files:
         problems += _file_problems(spec)
-    if problems:
-        _raise([(p, m, _line_of(_tree, (p,))) for p, m in problems], source)
+    if problems or accelerate_lines:
+        _raise([(p, m, _line_of(_tree, (p,))) for p, m in problems] + accelerate_lines, source)
     return spec
 
 
@@ -378,6 +426,12 @@ def _file_problems(spec: JobSpec) -> list[tuple[str, str]]:
             load_deepspeed_config(spec)
         except SpecError as err:
             problems.append(("deepspeed_config", str(err)))
+    if spec.model_config_path is not None:
+        from .dsconfig import hidden_size_from_model_config
+        try:
+            hidden_size_from_model_config(spec.model_config_path)
+        except SpecError as err:
+            problems.append(("model_config", str(err)))
     return problems
 
 
@@ -455,6 +509,7 @@ def load_spec(path: str | os.PathLike, overrides: Mapping[str, Any] | None = Non
         raise SpecError(f"Job spec {p} is not valid YAML{where}: {problem}.", path=str(p)) from err
     if data is None:
         data = {}
-    if overrides and isinstance(data, dict):
-        data = {**data, **overrides}
+    if overrides and isinstance(data, dict):  # a section (e.g. accelerate) is amended, not replaced
+        data = {**data, **{k: {**data[k], **v} if isinstance(v, Mapping) and isinstance(data.get(k), Mapping) else v
+                           for k, v in overrides.items()}}
     return spec_from_dict(data, p.parent, str(p), tree, check_files)

@@ -147,7 +147,8 @@ class AttemptRecord:
              "resume_tag": self.resume_tag, "cause": self.cause, "created_at": self.created_at,
              "running_at": self.running_at, "ended_at": self.ended_at, "stopped_at": self.stopped_at,
              "nodes": [n["host"] for n in self.plan.get("nodes", [])],
-             "world_size": self.plan.get("world_size")}
+             "world_size": self.plan.get("world_size"),
+             "resume_universal_from": self.plan.get("resume_universal_from")}
         if with_plan:
             d["plan"] = self.plan
         return d

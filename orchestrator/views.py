@@ -132,8 +132,9 @@ def node_rows(store: Store, attempt: AttemptRecord, cause: dict | None) -> list[
     """Every node of an attempt: host, node rank, agent state and its metrics port.
 
     The state is ``starting`` (agent not up yet), ``up`` (agent said hello), ``running``
-    (its ranks started), ``lost`` (named by a node-loss cause of the attempt), or, once the
-    attempt has stopped, ``ended``.
+    (its ranks started), ``lost`` (named by a node-loss cause of the attempt),
+    ``preflight_failed`` (named by a preflight failure of the attempt), or, once the attempt
+    has stopped, ``ended``.
     """
     rows = {n["node_rank"]: {"node_rank": n["node_rank"], "host": n["host"], "state": "starting",
                              "ranks": [r["global_rank"] for r in n["ranks"]], "metrics_port": None}
@@ -150,9 +151,12 @@ def node_rows(store: Store, attempt: AttemptRecord, cause: dict | None) -> list[
     for c in (cause or {}, (cause or {}).get("first_symptom") or {}):
         if c.get("kind") == "node_lost":
             lost.update(h for h in [c.get("node"), *(c.get("nodes") or [])] if h)
+    unfit = set((cause or {}).get("nodes") or []) if (cause or {}).get("kind") == "preflight_failed" else set()
     for row in rows.values():
         if row["host"] in lost:
             row["state"] = "lost"
+        elif row["host"] in unfit:
+            row["state"] = "preflight_failed"
         elif attempt.stopped_at is not None:
             row["state"] = "ended"
     return [rows[k] for k in sorted(rows)]

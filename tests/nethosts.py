@@ -8,6 +8,8 @@
         net.kill_host(2)     # SIGKILL its sshd and every process in its namespace
         net.cut_link(1)      # eth0 down inside the namespace: silence, no reset
 
+    TestNetwork(3, private_mounts={2: ["/tmp/x"]})   # host 2 sees its own empty /tmp/x
+
 Layout of one network (k-th network of process ``pid``; 36-base ``pid36`` keeps link names
 within the kernel's 15 characters):
 
@@ -17,7 +19,11 @@ within the kernel's 15 characters):
   bridge whose peer inside the namespace is ``eth0`` with ``10.a.b.(11+i)/24``, ``lo`` up;
   name ``<prefix>worker-<i>`` (default prefix ``on<pid>-<k>-``) in /etc/hosts;
 * ``sshd -D`` per namespace (started through ``ip netns exec``), keys and configs in a
-  0700 temp dir ``orchnet-<pid>-<k>-*``.
+  0700 temp dir ``orchnet-<pid>-<k>-*``;
+* with ``private_mounts={i: [dir, ...]}``, host i's sshd runs in a mount namespace of its
+  own with an empty tmpfs over each of those (existing) directories: host i and every
+  session into it see its own copy of them, no other host sees it, and it vanishes with
+  the sshd (a node whose "shared" storage is not shared).
 
 Every /etc/hosts line carries ``# orchnet pid=<pid> net=<k>``. A session holds an exclusive
 ``flock`` on ``/run/orchnet/<pid>.lock`` for its lifetime, so leftovers of a crashed session
@@ -36,6 +42,7 @@ import fcntl
 import ipaddress
 import os
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -47,7 +54,7 @@ import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 FAMILY = "orchnet"
 SSHD = "/usr/sbin/sshd"
@@ -383,7 +390,8 @@ class TestNetwork:
     __test__ = False             # not a pytest test class
 
     def __init__(self, n_hosts: int, prefix: str | None = None, *, port: int = 22,
-                 startup_timeout: float = 15.0, sshd_options: Sequence[str] = ()) -> None:
+                 startup_timeout: float = 15.0, sshd_options: Sequence[str] = (),
+                 private_mounts: Mapping[int, Sequence[str]] | None = None) -> None:
         if not 1 <= n_hosts <= MAX_HOSTS:
             raise ValueError(f"n_hosts must be 1..{MAX_HOSTS}, got {n_hosts}")
         self.n_hosts = n_hosts
@@ -392,6 +400,7 @@ class TestNetwork:
         self.user = "root"
         self.startup_timeout = startup_timeout
         self.sshd_options = list(sshd_options)
+        self.private_mounts = {int(i): [str(d) for d in dirs] for i, dirs in (private_mounts or {}).items()}
         self.pid = os.getpid()
         self.k: int | None = None
         self.hosts: list[Host] = []
@@ -648,9 +657,14 @@ class TestNetwork:
         h.sshd_config.write_text("\n".join(lines) + "\n")
 
     def _spawn_sshd(self, h: Host) -> None:
+        argv = ["ip", "netns", "exec", h.ns]
+        mounts = self.private_mounts.get(h.index) or []
+        if mounts:  # its own mount namespace (slave: the root's mounts still show), tmpfs over each dir
+            script = " && ".join(f"mount -t tmpfs {FAMILY}-private {shlex.quote(d)}" for d in mounts)
+            argv += ["unshare", "--mount", "--propagation", "slave", "sh", "-c", f'{script} && exec "$@"', "sh"]
         with open(h.log, "ab") as log:
             h.sshd = subprocess.Popen(
-                ["ip", "netns", "exec", h.ns, SSHD, "-D", "-e", "-f", str(h.sshd_config)],
+                [*argv, SSHD, "-D", "-e", "-f", str(h.sshd_config)],  # every exec keeps the pid: sshd's
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def _wait_sshd(self, h: Host, deadline: float) -> None:

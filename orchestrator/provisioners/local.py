@@ -89,7 +89,8 @@ class LocalProvisioner(Provisioner):
         try:
             with open(log_path, "ab") as log:
                 proc = subprocess.Popen([self.python, "-u", "-m", "agents.agent"], stdin=subprocess.PIPE,
-                                        stdout=subprocess.PIPE, stderr=log, env=env, cwd=node.workdir,
+                                        stdout=subprocess.PIPE, stderr=log, env=env,
+                                        cwd=node.workdir if os.path.isdir(node.workdir) else "/",  # preflight names it
                                         start_new_session=True)
         except OSError as err:
             raise ProvisionError(f"Cannot start the agent for node {node.node_rank} ({node.host}): "

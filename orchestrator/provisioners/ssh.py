@@ -4,7 +4,7 @@ For every node of the plan the controller opens one SSH connection (in parallel,
 ``ssh.max_parallel`` at once, each bounded by ``ssh.connect_timeout``), verifies the
 node's host key, and runs on it::
 
-    cd <workdir> && exec env ORCH_AGENT_ATTEMPT_ID=<id> ORCH_AGENT_NODE_RANK=<n> <python> -u -m agents.agent
+    cd <workdir> || cd /; exec env ORCH_AGENT_ATTEMPT_ID=<id> ORCH_AGENT_NODE_RANK=<n> <python> -u -m agents.agent
 
 The agent's stdin/stdout *are* the SSH channel: the controller link (``agents.link``,
 JSON lines) runs over it, so nothing is exposed on the network beyond sshd. The node plan,
@@ -383,7 +383,8 @@ class SSHProvisioner(Provisioner):
         python = self.python
         log_dir = os.path.join(plan.run_dir, "agents")
         os.makedirs(log_dir, exist_ok=True)
-        command = (f"cd {shlex.quote(node.workdir)} && exec env ORCH_AGENT_ATTEMPT_ID={shlex.quote(plan.attempt_id)} "
+        # a missing workdir is the preflight's to report (with the node's other problems): start in / then
+        command = (f"cd {shlex.quote(node.workdir)} || cd /; exec env ORCH_AGENT_ATTEMPT_ID={shlex.quote(plan.attempt_id)} "
                    f"ORCH_AGENT_NODE_RANK={node.node_rank} {shlex.quote(python)} -u -m agents.agent")
         try:
             channel = client.get_transport().open_session(timeout=t.timeout)

@@ -1,0 +1,302 @@
+"""DeepSpeed config resolution (orchestrator.dsconfig): every "auto" filled as Accelerate fills it,
+and every rule checked, each with a failing and a passing case. Pure: no processes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from orchestrator.dsconfig import (DeepSpeedSettings, RunFacts, check, hidden_size_from_model_config,
+                                   plugin_config, resolve)
+from orchestrator.errors import ConfigError, SpecError
+
+RUN = RunFacts(world_size=4, slots_per_node=(2, 2), micro_batch_size=8)
+DEFAULTS = DeepSpeedSettings()  # nothing given: Accelerate's defaults
+
+
+def _problems(config, settings=DEFAULTS, run=RUN, accelerate=True, from_file=True) -> dict[str, str]:
+    with pytest.raises(ConfigError) as err:
+        resolve(config, settings, run, accelerate=accelerate, from_file=from_file, source="ds.json")
+    assert isinstance(err.value, SpecError)  # the CLI prints it, exit status 2, no traceback
+    problems = dict(err.value.problems)
+    for key, msg in problems.items():  # one line per problem, by key path, in the message
+        assert f"  {key}: {msg}" in str(err.value)
+    return problems
+
+
+def _zero(stage=2, **more):
+    return {"train_micro_batch_size_per_gpu": 8, "zero_optimization": {"stage": stage, **more}}
+
+
+# ---------------------------------------------------------------------------------- building and autos
+
+
+def test_plugin_config_is_accelerates_default_config() -> None:
+    # DeepSpeedPlugin.__post_init__ without a config file and with nothing set
+    assert plugin_config(DeepSpeedSettings()) == {
+        "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+        "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "none", "nvme_path": None},
+                              "offload_param": {"device": "none", "nvme_path": None},
+                              "stage3_gather_16bit_weights_on_model_save": False},
+        "gradient_clipping": "auto"}
+    nvme = plugin_config(DeepSpeedSettings(zero_stage=3, offload_param_device="nvme", offload_param_nvme_path="/nv",
+                                           offload_optimizer_nvme_path="/unused", gradient_clipping=0.0))
+    assert nvme["zero_optimization"]["offload_param"] == {"device": "nvme", "nvme_path": "/nv"}
+    assert nvme["zero_optimization"]["offload_optimizer"] == {"device": "none", "nvme_path": None}
+    assert "gradient_clipping" not in nvme  # 0.0 is falsy: Accelerate leaves the key out
+
+
+def test_every_auto_is_filled_from_settings_and_run() -> None:
+    config = {"bf16": {"enabled": "auto"},
+              "zero_optimization": {"stage": "auto", "stage3_gather_16bit_weights_on_model_save": "auto",
+                                    "offload_optimizer": {"device": "auto", "nvme_path": "auto"},
+                                    "offload_param": {"device": "auto"}, "reduce_bucket_size": "auto",
+                                    "stage3_prefetch_bucket_size": "auto",
+                                    "stage3_param_persistence_threshold": "auto"},
+              "gradient_clipping": "auto", "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
+              "gradient_accumulation_steps": "auto", "steps_per_print": 2000000}
+    settings = DeepSpeedSettings(mixed_precision="fp16", zero_stage=3, gradient_accumulation_steps=5,
+                                 gradient_clipping=1.0, offload_param_device="cpu", offload_optimizer_device="nvme",
+                                 offload_optimizer_nvme_path="/nvme", zero3_save_16bit_model=True)
+    run = RunFacts(world_size=4, slots_per_node=(4,), micro_batch_size=2, hidden_size=1024)
+    out = resolve(config, settings, run, accelerate=True)
+    assert out.config == {
+        "bf16": {"enabled": False}, "fp16": {"enabled": True, "auto_cast": True},
+        "zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True,
+                              "offload_optimizer": {"device": "nvme", "nvme_path": "/nvme"},
+                              "offload_param": {"device": "cpu"}, "reduce_bucket_size": 1024 * 1024,
+                              "stage3_prefetch_bucket_size": int(0.9 * 1024 * 1024),
+                              "stage3_param_persistence_threshold": 10 * 1024},
+        "gradient_clipping": 1.0, "train_batch_size": 2 * 5 * 4, "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 5, "steps_per_print": 2000000}
+    assert out.warnings == () and out.left_auto == ()
+    assert config["zero_optimization"]["stage"] == "auto"  # the input is not modified
+
+
+def test_accelerate_defaults_fill_autos_nothing_sets() -> None:
+    config = {"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto", "gradient_clipping": "auto",
+              "gradient_accumulation_steps": "auto",
+              "zero_optimization": {"stage": "auto", "stage3_gather_16bit_weights_on_model_save": "auto"},
+              "fp16": {"enabled": "auto"}}
+    out = resolve(config, DeepSpeedSettings(), RUN, accelerate=False).config
+    assert out == {"train_micro_batch_size_per_gpu": 8, "train_batch_size": 32, "gradient_clipping": 1.0,
+                   "gradient_accumulation_steps": 1, "fp16": {"enabled": False},
+                   "zero_optimization": {"stage": 2, "stage3_gather_16bit_weights_on_model_save": False}}
+
+
+def test_a_setting_the_config_overrides_is_reported() -> None:
+    settings = DeepSpeedSettings(zero_stage=3, explicit=frozenset({"zero_stage"}))
+    out = resolve(_zero(2), settings, RUN, accelerate=True)
+    assert out.config["zero_optimization"]["stage"] == 2  # Accelerate keeps the config's value
+    assert any("zero_stage 3 is not used" in w and "zero_optimization.stage" in w for w in out.warnings)
+    quiet = resolve(_zero(2), DeepSpeedSettings(zero_stage=2, explicit=frozenset({"zero_stage"})), RUN,
+                    accelerate=True)
+    assert not quiet.warnings
+
+
+def test_micro_batch_auto_without_a_micro_batch_names_both_keys() -> None:
+    config = {"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto", "zero_optimization": {}}
+    problems = _problems(config, run=RunFacts(world_size=2))
+    assert set(problems) == {"train_micro_batch_size_per_gpu", "train_batch_size"}
+    assert "micro_batch_size" in problems["train_micro_batch_size_per_gpu"]
+    assert "DataLoader" in problems["train_micro_batch_size_per_gpu"]
+    ok = resolve(config, DeepSpeedSettings(), RunFacts(world_size=2, micro_batch_size=3), accelerate=True)
+    assert ok.config["train_batch_size"] == 6 and ok.config["train_micro_batch_size_per_gpu"] == 3
+
+
+def test_train_batch_auto_from_a_numeric_micro_batch() -> None:
+    config = {"train_micro_batch_size_per_gpu": 4, "train_batch_size": "auto", "gradient_accumulation_steps": 3,
+              "zero_optimization": {"stage": 1}}
+    assert resolve(config, DeepSpeedSettings(), RunFacts(world_size=5), accelerate=True).config["train_batch_size"] == 60
+
+
+def test_hidden_size_autos_need_a_hidden_size() -> None:
+    config = _zero(3, reduce_bucket_size="auto", stage3_prefetch_bucket_size="auto",
+                   stage3_param_persistence_threshold="auto")
+    problems = _problems(config)
+    assert set(problems) == {"zero_optimization.reduce_bucket_size", "zero_optimization.stage3_prefetch_bucket_size",
+                             "zero_optimization.stage3_param_persistence_threshold"}
+    assert all("hidden_size or model_config" in m for m in problems.values())
+    out = resolve(config, DeepSpeedSettings(), RunFacts(world_size=4, micro_batch_size=8, hidden_size=10),
+                  accelerate=True).config["zero_optimization"]
+    assert (out["reduce_bucket_size"], out["stage3_prefetch_bucket_size"],
+            out["stage3_param_persistence_threshold"]) == (100, 90, 100)
+
+
+def test_hidden_size_from_a_model_config(tmp_path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 768, "hidden_sizes": [1, 2]}))
+    assert hidden_size_from_model_config(tmp_path) == 768  # a folder: its config.json; hidden_size first
+    sizes = tmp_path / "convnext.json"
+    sizes.write_text(json.dumps({"hidden_sizes": [96, 192, 384, 768]}))
+    assert hidden_size_from_model_config(sizes) == 768  # else the largest of hidden_sizes
+    none = tmp_path / "none.json"
+    none.write_text(json.dumps({"vocab_size": 5}))
+    with pytest.raises(ConfigError, match="neither a positive hidden_size nor hidden_sizes.*set hidden_size"):
+        hidden_size_from_model_config(none)
+    (tmp_path / "bad.json").write_text("{")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        hidden_size_from_model_config(tmp_path / "bad.json")
+    with pytest.raises(ConfigError, match="cannot read"):
+        hidden_size_from_model_config(tmp_path / "missing.json")
+
+
+def test_optimizer_and_scheduler_autos_are_the_scripts_under_accelerate_only() -> None:
+    config = {**_zero(2), "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto"}},
+              "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": "auto", "warmup_num_steps": "auto"}}}
+    out = resolve(config, DeepSpeedSettings(), RUN, accelerate=True)
+    assert out.left_auto == ("optimizer.params.lr", "optimizer.params.weight_decay", "scheduler.params.warmup_max_lr",
+                             "scheduler.params.warmup_num_steps")
+    assert out.config["optimizer"]["params"]["lr"] == "auto"
+    assert any("DummyOptim" in w for w in out.warnings)
+    problems = _problems(config, accelerate=False)
+    assert set(problems) == set(out.left_auto) and "Write the value" in problems["optimizer.params.lr"]
+
+
+def test_an_auto_nothing_fills_is_an_error() -> None:
+    problems = _problems({**_zero(2, sub_group_size="auto"), "optimizer": {"params": {"betas": "auto"}}})
+    assert set(problems) == {"zero_optimization.sub_group_size", "optimizer.params.betas"}
+    assert "nothing fills this key" in problems["zero_optimization.sub_group_size"]
+
+
+def test_accelerate_needs_a_zero_section_in_a_config_file() -> None:
+    problems = _problems({"train_micro_batch_size_per_gpu": 1})
+    assert set(problems) == {"zero_optimization"} and "Please specify the ZeRO" in problems["zero_optimization"]
+    # DeepSpeed itself does not need one, nor does a config Accelerate builds
+    assert resolve({"train_micro_batch_size_per_gpu": 1}, DeepSpeedSettings(), RUN, accelerate=False).config == {
+        "train_micro_batch_size_per_gpu": 1}
+    built = resolve({"train_micro_batch_size_per_gpu": 1}, DeepSpeedSettings(), RUN, accelerate=True,
+                    from_file=False).config
+    assert built == {"train_micro_batch_size_per_gpu": 1, "fp16": {"enabled": False}, "bf16": {"enabled": False}}
+
+
+# ---------------------------------------------------------------------------------- the rules
+
+
+def test_offload_param_needs_stage_3() -> None:
+    problems = _problems(_zero(2, offload_param={"device": "cpu"}))
+    assert list(problems) == ["zero_optimization.offload_param.device"]
+    assert "only with ZeRO stage 3" in problems["zero_optimization.offload_param.device"]
+    assert "zero_stage: 3" in problems["zero_optimization.offload_param.device"]
+    resolve(_zero(3, offload_param={"device": "cpu"}), DeepSpeedSettings(), RUN, accelerate=True)
+    resolve(_zero(2, offload_param={"device": "none"}, offload_optimizer={"device": "cpu"}), DeepSpeedSettings(),
+            RUN, accelerate=True)
+
+
+def test_nvme_offload_needs_a_path() -> None:
+    config = _zero(3, offload_optimizer={"device": "nvme"}, offload_param={"device": "nvme", "nvme_path": "none"})
+    problems = _problems(config)
+    assert set(problems) == {"zero_optimization.offload_optimizer.nvme_path", "zero_optimization.offload_param.nvme_path"}
+    assert "offload_optimizer_nvme_path" in problems["zero_optimization.offload_optimizer.nvme_path"]
+    # the path given through the settings fills an "auto" nvme_path
+    ok = _zero(3, offload_optimizer={"device": "nvme", "nvme_path": "auto"})
+    out = resolve(ok, DeepSpeedSettings(offload_optimizer_nvme_path="/local_nvme"), RUN, accelerate=True)
+    assert out.config["zero_optimization"]["offload_optimizer"]["nvme_path"] == "/local_nvme"
+
+
+def test_zero_plus_plus_needs_stage_3() -> None:
+    zpp = {"zero_quantized_weights": True, "zero_hpz_partition_size": 2, "zero_quantized_gradients": True}
+    problems = _problems(_zero(2, **zpp))
+    assert set(problems) == {f"zero_optimization.{k}" for k in zpp}
+    assert all("ZeRO++" in m for m in problems.values())
+    resolve(_zero(3, **zpp), DeepSpeedSettings(), RUN, accelerate=True)
+    resolve(_zero(2, zero_quantized_weights=False, zero_hpz_partition_size=1), DeepSpeedSettings(), RUN,
+            accelerate=True)
+
+
+def test_hpz_partition_size_divides_the_gpus_per_node() -> None:
+    run = RunFacts(world_size=8, slots_per_node=(4, 4), micro_batch_size=1)
+    problems = _problems(_zero(3, zero_hpz_partition_size=3), run=run)
+    assert list(problems) == ["zero_optimization.zero_hpz_partition_size"]
+    assert "does not divide the GPUs per node (4)" in problems["zero_optimization.zero_hpz_partition_size"]
+    assert resolve(_zero(3, zero_hpz_partition_size=4), DeepSpeedSettings(), run, accelerate=True).warnings == ()
+    warned = resolve(_zero(3, zero_hpz_partition_size=2), DeepSpeedSettings(), run, accelerate=True).warnings
+    assert len(warned) == 1 and "meant to be the number of GPUs per node" in warned[0]
+
+
+def test_a_scheduler_without_an_optimizer_is_a_warning() -> None:
+    sched = {**_zero(2), "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10}}}
+    problems, warnings = check(sched, RUN)
+    assert problems == [] and len(warnings) == 1 and "scheduler but no optimizer" in warnings[0]
+    assert check({**sched, "optimizer": {"type": "AdamW"}}, RUN) == ([], [])
+
+
+def test_fp16_and_bf16_both_on() -> None:
+    problems = _problems({**_zero(2), "fp16": {"enabled": True}, "bf16": {"enabled": True}}, accelerate=False)
+    assert list(problems) == ["bf16.enabled"] and "cannot be simultaneously enabled" in problems["bf16.enabled"]
+    resolve({**_zero(2), "fp16": {"enabled": True}, "bf16": {"enabled": False}}, DeepSpeedSettings(), RUN,
+            accelerate=False)
+
+
+def test_mixed_precision_against_the_other_dtype_in_the_config() -> None:
+    config = {**_zero(2), "bf16": {"enabled": True}}
+    problems = _problems(config, DeepSpeedSettings(mixed_precision="fp16"))
+    assert list(problems) == ["bf16.enabled"] and "set_mixed_precision" in problems["bf16.enabled"]
+    out = resolve(config, DeepSpeedSettings(mixed_precision="bf16"), RUN, accelerate=True).config
+    assert out["bf16"] == {"enabled": True} and out["fp16"] == {"enabled": False}
+
+
+@pytest.mark.parametrize("config, world, ok", [
+    ({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2}, 4, True),
+    ({"train_batch_size": 30, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2}, 4, False),
+    ({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4}, 4, True),   # DeepSpeed derives accumulation 2
+    ({"train_batch_size": 36, "train_micro_batch_size_per_gpu": 4}, 4, False),  # 36 // 4 // 4 = 2: 32 != 36
+    ({"train_batch_size": 16, "gradient_accumulation_steps": 2}, 4, True),      # derives micro 2
+    ({"train_batch_size": 6}, 4, False),                                        # micro 1: 4 != 6
+    ({"train_batch_size": 2}, 4, False),                                        # micro 0
+    ({"train_micro_batch_size_per_gpu": 4}, 4, True),
+    ({"gradient_accumulation_steps": 4}, 4, False),                             # neither batch size
+    ({"train_micro_batch_size_per_gpu": 0}, 4, False),
+])
+def test_batch_sizes_must_multiply_out(config, world, ok) -> None:
+    problems, _ = check(config, RunFacts(world_size=world))
+    assert (problems == []) == ok, problems
+    if not ok:
+        assert len(problems) == 1
+
+
+def test_batch_mismatch_message_names_the_numbers() -> None:
+    problems = _problems({**_zero(2), "train_batch_size": 30, "gradient_accumulation_steps": 2})
+    assert "30 != train_micro_batch_size_per_gpu 8 x gradient_accumulation_steps 2 x world size 4" in \
+        problems["train_batch_size"]
+
+
+def test_stage_and_devices_are_checked() -> None:
+    problems = _problems(_zero(5, offload_optimizer={"device": "disk"}))
+    assert set(problems) == {"zero_optimization.stage", "zero_optimization.offload_optimizer.device"}
+    problems = _problems({"train_micro_batch_size_per_gpu": 1, "zero_optimization": 2})
+    assert list(problems) == ["zero_optimization"] and "must be a mapping" in problems["zero_optimization"]
+
+
+def test_every_problem_is_listed_at_once() -> None:
+    config = {"train_batch_size": 7, "train_micro_batch_size_per_gpu": 2, "fp16": {"enabled": True},
+              "bf16": {"enabled": True}, "zero_optimization": {"stage": 1, "offload_param": {"device": "cpu"},
+                                                               "zero_quantized_weights": True}}
+    with pytest.raises(ConfigError) as err:
+        resolve(config, DeepSpeedSettings(), RUN, accelerate=False, source="DeepSpeed config ds.json")
+    assert str(err.value).startswith("DeepSpeed config ds.json has 4 problems:\n")
+    assert [k for k, _ in err.value.problems] == ["zero_optimization.offload_param.device",
+                                                   "zero_optimization.zero_quantized_weights", "bf16.enabled",
+                                                   "train_batch_size"]
+
+
+def test_zero3_init_flag_outside_stage_3_is_a_warning() -> None:
+    warned = resolve(_zero(2), DeepSpeedSettings(zero3_init_flag=True), RUN, accelerate=True).warnings
+    assert any("zero3_init_flag" in w for w in warned)
+    assert not resolve(_zero(3), DeepSpeedSettings(zero3_init_flag=True), RUN, accelerate=True).warnings
+
+
+def test_the_guides_zero_plus_plus_example() -> None:
+    """Accelerate guide: ZeRO++ with zero_hpz_partition_size 8, "ideally the GPUs per node" (8 here).
+    The guide shows only the ZeRO section; the batch sizes are its other examples' "auto"."""
+    config = {"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto", "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto", "zero_quantized_weights": True,
+                                    "zero_hpz_partition_size": 8, "zero_quantized_gradients": True,
+                                    "contiguous_gradients": True, "overlap_comm": True}}
+
+    def run(*slots: int) -> RunFacts:
+        return RunFacts(world_size=sum(slots), slots_per_node=slots, micro_batch_size=1, hidden_size=64)
+    out = resolve(config, DEFAULTS, run(8, 8), accelerate=True)
+    assert out.warnings == () and out.config["zero_optimization"]["reduce_bucket_size"] == 4096
+    assert out.config["train_batch_size"] == 16
+    assert len(resolve(config, DEFAULTS, run(16), accelerate=True).warnings) == 1  # divides 16, is not 16
+    assert list(_problems(config, run=run(4, 4))) == ["zero_optimization.zero_hpz_partition_size"]
