@@ -1,0 +1,305 @@
+"""The fault matrix: inject each fault into a real training job and measure the recovery.
+
+One ``orch server`` runs a 2-node ZeRO-2 job of examples/train_gpt.py (tiny model, a
+checkpoint every 10 steps) over SSH on real sshd hosts in network namespaces (tests/nethosts.py:
+3 hosts, the third a spare), with the restart policy ``max_restarts: 1, backoff_seconds: 0,
+exclude_failed_nodes: true`` and ``hang_timeout: 5``. Once every rank is past step 25 (or at
+the fault's own step) one fault is injected:
+
+==================  ===========================================================================
+rank_crash          SIGKILL of global rank 1's process
+node_killed         SIGKILL of every process of host 1 (its sshd, agent and rank)
+network_cut         ``ip link set eth0 down`` in host 1's namespace (silence, no reset)
+hang                rank 1 sleeps forever before step 26's collectives (``--hang-at-step 25``)
+controller_killed   SIGKILL of ``orch server``, then a new ``orch server`` is started at once
+save_crash          rank 1 SIGKILLs itself while step 30's checkpoint is written (``--crash-in-save-at-step``)
+==================  ===========================================================================
+
+and we measure, from the moment of the fault (wall clock):
+
+* **detected**: until the attempt is FAILED in the store (its state event);
+* **first step**: until the new attempt's first training step (the first progress point);
+* **steps lost**: the last step attempt 1 reached minus the step attempt 2 resumed from;
+* **leftovers**: processes of the job (any attempt, any host) alive once the job SUCCEEDED
+  and attempt 1's last process is gone (must be 0), plus when that was (a cut host's agent
+  stops its rank only when the controller's lease, 15 s, runs out), the job's final state and
+  attempt 2's start checkpoint.
+
+    sudo .venv/bin/python bench/fault_matrix.py                  # every fault once
+    sudo .venv/bin/python bench/fault_matrix.py --faults hang,save_crash --rounds 2 --output json
+
+Needs root, openssh-server/-client and iproute2 (as the ssh tests). Prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT))
+
+import helpers_train  # noqa: E402
+import nethosts  # noqa: E402
+from conftest import job_processes  # noqa: E402
+from orchestrator.store import Store  # noqa: E402
+
+EXAMPLES = ROOT / "examples"
+FAULTS = ["rank_crash", "node_killed", "network_cut", "hang", "controller_killed", "save_crash"]
+TINY = ["--n-layer", "1", "--d-model", "32", "--n-head", "2", "--seq-len", "32", "--corpus-bytes", "200000",
+        "--log-interval", "0"]
+STEPS, INTERVAL, FAULT_STEP, SAVE_CRASH_STEP = 60, 10, 25, 30
+VICTIM = 1  # host index and global rank (one slot per host)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """``orch server`` for one state dir on a fixed port (so a restarted one is found at once)."""
+
+    def __init__(self, state_dir: Path) -> None:
+        self.state_dir, self.port = state_dir, _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        env = {**os.environ, "ORCH_STATE_DIR": str(self.state_dir)}
+        env.pop("ORCH_SERVER", None)
+        with open(self.state_dir.parent / "server.log", "ab") as log:
+            self.proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "server", "--port",
+                                          str(self.port)], env=env, stdout=log, stderr=log, start_new_session=True)
+        try:
+            _wait(self._up, 120, "orch server")
+        except TimeoutError:
+            raise TimeoutError(f"orch server did not answer within 120 s: "
+                               f"{(self.state_dir.parent / 'server.log').read_text()[-2000:]}") from None
+
+    def _up(self) -> bool:
+        try:
+            return httpx.get(f"{self.url}/api/health", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(30)
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            self.proc.wait(60)
+
+
+def _wait(cond, timeout: float, what: str, interval: float = 0.02):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = cond()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(interval)
+
+
+def _spec(net, work: Path, fault: str) -> dict:
+    p = net.client_params()
+    args = ["--steps", str(STEPS), "--checkpoint-interval", str(INTERVAL), *TINY]
+    if fault == "hang":
+        args += ["--hang-at-step", str(FAULT_STEP), "--hang-rank", str(VICTIM)]
+    if fault == "save_crash":
+        args += ["--crash-in-save-at-step", str(SAVE_CRASH_STEP), "--crash-rank", str(VICTIM)]
+    config = json.loads((EXAMPLES / "ds_zero2.json").read_text())
+    config["train_micro_batch_size_per_gpu"] = 4
+    hostfile = work / "hostfile"
+    hostfile.write_text("".join(f"{n} slots=1\n" for n in net.names))
+    return {
+        "name": fault.replace("_", "-"), "hostfile": str(hostfile), "num_nodes": 2, "provisioner": "ssh",
+        "workdir": str(EXAMPLES), "entrypoint": "train_gpt.py", "args": args, "deepspeed_config": config,
+        "checkpoint_dir": str(work / "ckpt"), "hang_timeout": 5, "stop_grace_seconds": 5,
+        "ssh": {"user": p["user"], "identity_file": p["key_filename"], "known_hosts": p["known_hosts"]},
+        "env": {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "eth0",
+                "PATH": os.environ["PATH"]},
+        "restart": {"max_restarts": 1, "backoff_seconds": 0, "exclude_failed_nodes": True},
+    }
+
+
+def _rank_log(store: Store, job_id: str, attempt: int, rank: int) -> Path:
+    return Path(store.get_attempt(job_id, attempt).plan["run_dir"]) / "logs" / f"rank-{rank}.log"
+
+
+def _last_steps(store: Store, job_id: str, attempt: int) -> list[int]:
+    run_dir = Path(store.get_attempt(job_id, attempt).plan["run_dir"])
+    losses = helpers_train.attempt_losses(run_dir)
+    return [max((s for (r, s) in losses if r == rank), default=0) for rank in (0, 1)]
+
+
+def _rank_process(job_id: str, rank: int) -> psutil.Process:
+    for p in job_processes(job_id):
+        try:
+            env = p.environ()
+        except psutil.Error:
+            continue
+        if env.get("RANK") == str(rank) and "train_gpt.py" in " ".join(p.cmdline()):
+            return p
+    raise LookupError(f"no process of rank {rank}")
+
+
+def _log_has(path: Path, needle: str) -> bool:
+    try:
+        return needle in path.read_text()
+    except OSError:
+        return False
+
+
+def run_fault(fault: str, net, work: Path) -> dict:
+    state_dir = work / "state"
+    server = Server(state_dir)
+    server.start()
+    store: Store | None = None
+    try:
+        spec = _spec(net, work, fault)
+        r = httpx.post(f"{server.url}/api/jobs", json={"spec": spec, "source": "fault_matrix"}, timeout=60)
+        r.raise_for_status()
+        job_id = r.json()["id"]
+        store = Store(state_dir / "orch.db")
+
+        def attempt1_at(step: int) -> bool:
+            return min(_last_steps(store, job_id, 1)) >= step if store.get_job(job_id).attempt else False
+
+        if fault == "hang":
+            log = _wait(lambda: store.get_job(job_id).attempt and _rank_log(store, job_id, 1, VICTIM), 60, "run dir")
+            _wait(lambda: _log_has(log, f"[hang] rank={VICTIM}"), 300, "rank 1 to hang", 0.005)
+            t_fault = time.time()
+        elif fault == "save_crash":
+            log = _wait(lambda: store.get_job(job_id).attempt and _rank_log(store, job_id, 1, VICTIM), 60, "run dir")
+            _wait(lambda: _log_has(log, "killing itself mid-save"), 300, "the crash in the save", 0.005)
+            t_fault = time.time()
+        else:
+            _wait(lambda: attempt1_at(FAULT_STEP), 300, f"every rank past step {FAULT_STEP}")
+            if fault == "rank_crash":
+                victim = _rank_process(job_id, VICTIM)
+                t_fault = time.time()
+                victim.send_signal(signal.SIGKILL)
+            elif fault == "node_killed":
+                t_fault = time.time()
+                net.kill_host(VICTIM)
+            elif fault == "network_cut":
+                t_fault = time.time()
+                net.cut_link(VICTIM)
+            elif fault == "controller_killed":
+                t_fault = time.time()
+                server.kill()
+                server.start()
+            else:
+                raise ValueError(fault)
+
+        gone, gone_at = threading.Event(), []
+
+        def watch_attempt1() -> None:
+            attempt1 = f"{job_id}.1"
+            while True:
+                alive = 0
+                for p in job_processes(job_id):
+                    try:
+                        env = p.environ()
+                    except psutil.Error:
+                        continue
+                    alive += attempt1 in (env.get("ORCH_ATTEMPT_ID"), env.get("ORCH_AGENT_ATTEMPT_ID"))
+                if not alive:
+                    gone_at.append(time.time())
+                    gone.set()
+                    return
+                time.sleep(0.05)
+        threading.Thread(target=watch_attempt1, daemon=True).start()
+
+        def failed_at() -> float | None:
+            for e in store.events(job_id):
+                if e.kind == "state" and e.attempt == 1 and e.data.get("to") == "FAILED":
+                    return e.at
+            return None
+        detected = _wait(failed_at, 120, "attempt 1 to fail") - t_fault
+        first = _wait(lambda: store.get_job(job_id).attempt >= 2 and store.progress(job_id, 2, limit=1), 300,
+                      "attempt 2's first step")
+        first_step_s = first[0]["at"] - t_fault
+        job = _wait(lambda: (j := store.get_job(job_id)).state.is_terminal() and not (
+            j.state.value == "FAILED" and j.attempt < 2) and j, 600, "the job to end")
+        # every process of attempt 1 (a cut host's agent stops its rank only once the controller's
+        # lease, ORCH_AGENT_LEASE_S = 15 s, ran out), then attempt 2's (stopped_at), then count
+        gone.wait(60)
+        attempt1_gone_s = (gone_at[0] if gone_at else time.time()) - t_fault
+        _wait(lambda: store.get_attempt(job_id, store.get_job(job_id).attempt).stopped_at, 60,
+              "the last attempt's processes to end")
+        if fault == "network_cut":
+            net.restore_link(VICTIM)
+        reached = max(_last_steps(store, job_id, 1))
+        a2 = store.get_attempt(job_id, 2) if job.attempt >= 2 else None
+        resumed = int(a2.resume_tag.removeprefix("step_")) if a2 and a2.resume_tag else 0
+        leftovers = len(job_processes(job_id))
+        cause = store.get_attempt(job_id, 1).cause or {}
+        return {"fault": fault, "detected_s": round(detected, 3), "first_step_s": round(first_step_s, 2),
+                "reached_step": reached, "resumed_from": a2.resume_tag if a2 else None,
+                "steps_lost": reached - resumed, "leftovers": leftovers, "attempt1_gone_s": round(attempt1_gone_s, 1), "final_state": job.state.value,
+                "attempts": job.attempt, "cause": cause.get("kind")}
+    finally:
+        if store is not None:
+            store.close()
+        server.stop()
+        net.reset()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--faults", default=",".join(FAULTS), help=f"comma-separated, of {', '.join(FAULTS)}")
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--output", choices=["table", "json"], default="table")
+    args = ap.parse_args()
+    faults = [f.strip() for f in args.faults.split(",") if f.strip()]
+    unknown = [f for f in faults if f not in FAULTS]
+    if unknown:
+        ap.error(f"unknown fault(s) {unknown}; choose from {FAULTS}")
+    nethosts.check_prerequisites()
+    helpers_train.prebuild_ops()
+    results = []
+    with nethosts.TestNetwork(3) as net:
+        for _ in range(args.rounds):
+            for fault in faults:
+                with tempfile.TemporaryDirectory(prefix=f"orch-fault-{fault}-") as tmp:
+                    res = run_fault(fault, net, Path(tmp))
+                results.append(res)
+                print(json.dumps(res), file=sys.stderr, flush=True)
+    if args.output == "json":
+        print(json.dumps(results, indent=1))
+        return 0
+    print("| fault | detected (s) | fault to first step of attempt 2 (s) | steps lost | leftover processes | "
+          "attempt 1 all gone (s) | cause | resumed from | final |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for fault in faults:
+        rows = [r for r in results if r["fault"] == fault]
+        med = lambda k: statistics.median(r[k] for r in rows)  # noqa: E731
+        print(f"| {fault} | {med('detected_s'):.2f} | {med('first_step_s'):.1f} | "
+              f"{'/'.join(str(r['steps_lost']) for r in rows)} | {max(r['leftovers'] for r in rows)} | "
+              f"{med('attempt1_gone_s'):.1f} | "
+              f"{rows[0]['cause']} | {rows[0]['resumed_from']} | {rows[0]['final_state']} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
