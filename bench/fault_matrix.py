@@ -55,7 +55,7 @@ sys.path.insert(0, str(ROOT))
 
 import helpers_train  # noqa: E402
 import nethosts  # noqa: E402
-from conftest import job_processes  # noqa: E402
+from conftest import job_processes, wait_for  # noqa: E402
 from orchestrator.store import Store  # noqa: E402
 
 EXAMPLES = ROOT / "examples"
@@ -87,9 +87,9 @@ class Server:
             self.proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "server", "--port",
                                           str(self.port)], env=env, stdout=log, stderr=log, start_new_session=True)
         try:
-            _wait(self._up, 120, "orch server")
-        except TimeoutError:
-            raise TimeoutError(f"orch server did not answer within 120 s: "
+            wait_for(self._up, 120, "orch server")
+        except AssertionError:
+            raise AssertionError(f"orch server did not answer within 120 s: "
                                f"{(self.state_dir.parent / 'server.log').read_text()[-2000:]}") from None
 
     def _up(self) -> bool:
@@ -106,17 +106,6 @@ class Server:
         if self.proc and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             self.proc.wait(60)
-
-
-def _wait(cond, timeout: float, what: str, interval: float = 0.02):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = cond()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(interval)
 
 
 def _spec(net, work: Path, fault: str) -> dict:
@@ -185,15 +174,15 @@ def run_fault(fault: str, net, work: Path) -> dict:
             return min(_last_steps(store, job_id, 1)) >= step if store.get_job(job_id).attempt else False
 
         if fault == "hang":
-            log = _wait(lambda: store.get_job(job_id).attempt and _rank_log(store, job_id, 1, VICTIM), 60, "run dir")
-            _wait(lambda: _log_has(log, f"[hang] rank={VICTIM}"), 300, "rank 1 to hang", 0.005)
+            log = wait_for(lambda: store.get_job(job_id).attempt and _rank_log(store, job_id, 1, VICTIM), 60, "run dir")
+            wait_for(lambda: _log_has(log, f"[hang] rank={VICTIM}"), 300, "rank 1 to hang", 0.005)
             t_fault = time.time()
         elif fault == "save_crash":
-            log = _wait(lambda: store.get_job(job_id).attempt and _rank_log(store, job_id, 1, VICTIM), 60, "run dir")
-            _wait(lambda: _log_has(log, "killing itself mid-save"), 300, "the crash in the save", 0.005)
+            log = wait_for(lambda: store.get_job(job_id).attempt and _rank_log(store, job_id, 1, VICTIM), 60, "run dir")
+            wait_for(lambda: _log_has(log, "killing itself mid-save"), 300, "the crash in the save", 0.005)
             t_fault = time.time()
         else:
-            _wait(lambda: attempt1_at(FAULT_STEP), 300, f"every rank past step {FAULT_STEP}")
+            wait_for(lambda: attempt1_at(FAULT_STEP), 300, f"every rank past step {FAULT_STEP}")
             if fault == "rank_crash":
                 victim = _rank_process(job_id, VICTIM)
                 t_fault = time.time()
@@ -235,17 +224,17 @@ def run_fault(fault: str, net, work: Path) -> dict:
                 if e.kind == "state" and e.attempt == 1 and e.data.get("to") == "FAILED":
                     return e.at
             return None
-        detected = _wait(failed_at, 120, "attempt 1 to fail") - t_fault
-        first = _wait(lambda: store.get_job(job_id).attempt >= 2 and store.progress(job_id, 2, limit=1), 300,
+        detected = wait_for(failed_at, 120, "attempt 1 to fail") - t_fault
+        first = wait_for(lambda: store.get_job(job_id).attempt >= 2 and store.progress(job_id, 2, limit=1), 300,
                       "attempt 2's first step")
         first_step_s = first[0]["at"] - t_fault
-        job = _wait(lambda: (j := store.get_job(job_id)).state.is_terminal() and not (
+        job = wait_for(lambda: (j := store.get_job(job_id)).state.is_terminal() and not (
             j.state.value == "FAILED" and j.attempt < 2) and j, 600, "the job to end")
         # every process of attempt 1 (a cut host's agent stops its rank only once the controller's
         # lease, ORCH_AGENT_LEASE_S = 15 s, ran out), then attempt 2's (stopped_at), then count
         gone.wait(60)
         attempt1_gone_s = (gone_at[0] if gone_at else time.time()) - t_fault
-        _wait(lambda: store.get_attempt(job_id, store.get_job(job_id).attempt).stopped_at, 60,
+        wait_for(lambda: store.get_attempt(job_id, store.get_job(job_id).attempt).stopped_at, 60,
               "the last attempt's processes to end")
         if fault == "network_cut":
             net.restore_link(VICTIM)

@@ -31,7 +31,8 @@ from typing import Any, Literal, Mapping
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .dsconfig import DeepSpeedSettings, ResolvedConfig, RunFacts, hidden_size_from_model_config, plugin_config, resolve
+from .dsconfig import (SETTING_KEYS, DeepSpeedSettings, ResolvedConfig, RunFacts, hidden_size_from_model_config,
+                       plugin_config, resolve)
 from .errors import ConfigError
 
 __all__ = ["AccelerateSettings", "AccelerateConfig", "load_accelerate_config", "read_for_spec",
@@ -40,17 +41,7 @@ __all__ = ["AccelerateSettings", "AccelerateConfig", "load_accelerate_config", "
 #: Keys Accelerate ignores when a DeepSpeed config file is used, and refuses to see beside one
 #: (``DeepSpeedPlugin._deepspeed_config_checks``: ``env_variable_names_to_ignore``), with the
 #: DeepSpeed config key that takes their place.
-AMBIGUOUS_KEYS: dict[str, str] = {
-    "gradient_accumulation_steps": "gradient_accumulation_steps",
-    "gradient_clipping": "gradient_clipping",
-    "zero_stage": "zero_optimization.stage",
-    "offload_optimizer_device": "zero_optimization.offload_optimizer.device",
-    "offload_param_device": "zero_optimization.offload_param.device",
-    "offload_param_nvme_path": "zero_optimization.offload_param.nvme_path",
-    "offload_optimizer_nvme_path": "zero_optimization.offload_optimizer.nvme_path",
-    "zero3_save_16bit_model": "zero_optimization.stage3_gather_16bit_weights_on_model_save",
-    "mixed_precision": "fp16.enabled / bf16.enabled",
-}
+AMBIGUOUS_KEYS: dict[str, str] = {**SETTING_KEYS, "mixed_precision": "fp16.enabled / bf16.enabled"}
 
 _Device = Literal["none", "cpu", "nvme"]
 _Precision = Literal["no", "fp16", "bf16", "fp8"]
@@ -453,7 +444,7 @@ def _read(source: str | Mapping[str, Any], base_dir: str | Path) -> tuple[Accele
                                                                            list[tuple[str, str, int | None]]]:
     """Read and validate; ``(config or None, problems with lines)``. Raises ConfigError for a
     file that cannot be read or is not YAML."""
-    from .spec import _line_of, _UniqueKeyLoader
+    from .spec import _line_of, read_yaml
     tree = None
     if isinstance(source, Mapping):
         data, name, base = dict(source), "<inline>", Path(base_dir).resolve()
@@ -461,22 +452,7 @@ def _read(source: str | Mapping[str, Any], base_dir: str | Path) -> tuple[Accele
         p = Path(os.path.expanduser(str(source)))
         p = p if p.is_absolute() else (Path(base_dir) / p)
         name, base = str(p.resolve()), p.resolve().parent
-        try:
-            text = p.read_text(encoding="utf-8")
-        except FileNotFoundError as err:
-            raise ConfigError(f"Accelerate config {p} does not exist.", path=str(p)) from err
-        except OSError as err:
-            raise ConfigError(f"Cannot read Accelerate config {p}: {err.strerror}.", path=str(p)) from err
-        try:
-            tree = yaml.compose(text, Loader=_UniqueKeyLoader)
-            data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
-        except yaml.YAMLError as err:
-            mark = getattr(err, "problem_mark", None)
-            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-            raise ConfigError(f"Accelerate config {p} is not valid YAML{where}: "
-                              f"{getattr(err, 'problem', None) or err}.", path=str(p)) from err
-        if data is None:
-            data = {}
+        tree, data = read_yaml(p, "Accelerate config", ConfigError)
     if not isinstance(data, dict):
         return None, [("(file)", f"expected a mapping of keys (distributed_type: DEEPSPEED, ...); got "
                                  f"{type(data).__name__}", None)]
@@ -560,10 +536,10 @@ def _section_lines(cfg: AccelerateConfig) -> dict[str, int]:
     """``{key path: line}`` for the file's top-level keys and its deepspeed_config section."""
     if cfg.source == "<inline>":
         return {}
-    from .spec import _line_of, _UniqueKeyLoader
+    from .spec import _line_of, read_yaml
     try:
-        tree = yaml.compose(Path(cfg.source).read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)
-    except (OSError, yaml.YAMLError):
+        tree, _ = read_yaml(Path(cfg.source), "Accelerate config", ConfigError)
+    except ConfigError:
         return {}
     keys = [k for k in cfg.data] + [f"deepspeed_config.{k}" for k in cfg.deepspeed]
     return {k: _line_of(tree, tuple(k.split("."))) for k in keys}

@@ -479,6 +479,31 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 _UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _UniqueKeyLoader.construct_mapping)
 
 
+def read_yaml(p: Path, what: str, error: type[SpecError] = SpecError) -> tuple[Any, Any]:
+    """Read a YAML file for error messages with lines: ``(node tree, data)``; an empty file is ``{}``.
+
+    Duplicate keys are refused (:class:`_UniqueKeyLoader`).
+
+    Raises:
+        ``error`` (a SpecError): the file is missing, unreadable, or not YAML (line and column named).
+    """
+    try:
+        text = p.read_text(encoding="utf-8")
+    except FileNotFoundError as err:
+        raise error(f"{what[0].upper() + what[1:]} {p} does not exist.", path=str(p)) from err
+    except (OSError, UnicodeDecodeError) as err:
+        raise error(f"Cannot read {what} {p}: {getattr(err, 'strerror', None) or err}.", path=str(p)) from err
+    try:
+        tree = yaml.compose(text, Loader=_UniqueKeyLoader)
+        data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(err, "problem", None) or str(err)
+        raise error(f"{what[0].upper() + what[1:]} {p} is not valid YAML{where}: {problem}.", path=str(p)) from err
+    return tree, ({} if data is None else data)
+
+
 def load_spec(path: str | os.PathLike, overrides: Mapping[str, Any] | None = None,
               check_files: bool = True) -> JobSpec:
     """Read, validate and resolve a YAML job spec file.
@@ -493,22 +518,7 @@ def load_spec(path: str | os.PathLike, overrides: Mapping[str, Any] | None = Non
             problems (every one listed by field path and line).
     """
     p = Path(path)
-    try:
-        text = p.read_text()
-    except FileNotFoundError as err:
-        raise SpecError(f"Job spec {p} does not exist.", path=str(p)) from err
-    except OSError as err:
-        raise SpecError(f"Cannot read job spec {p}: {err.strerror}.", path=str(p)) from err
-    try:
-        tree = yaml.compose(text, Loader=_UniqueKeyLoader)
-        data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(err, "problem", None) or str(err)
-        raise SpecError(f"Job spec {p} is not valid YAML{where}: {problem}.", path=str(p)) from err
-    if data is None:
-        data = {}
+    tree, data = read_yaml(p, "job spec", SpecError)
     if overrides and isinstance(data, dict):  # a section (e.g. accelerate) is amended, not replaced
         data = {**data, **{k: {**data[k], **v} if isinstance(v, Mapping) and isinstance(data.get(k), Mapping) else v
                            for k, v in overrides.items()}}
