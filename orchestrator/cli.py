@@ -607,6 +607,8 @@ def _size(n: int) -> str:
 def cmd_export(args: argparse.Namespace) -> int:
     from .errors import ExportError
     from .export import export_checkpoint
+    if not args.file:
+        raise UsageError("Name the file to write: orch export JOB model.pt (or orch export JOB --output model.pt).")
     detail = _backend(args).detail(args.job)
     if not detail.get("checkpoint_dir"):
         raise ExportError(f"Job {detail['id']} never started an attempt, so it has no checkpoints to export.")
@@ -846,8 +848,9 @@ def _common_options(parser: argparse.ArgumentParser, top: bool) -> None:
         return value if top else argparse.SUPPRESS
     parser.add_argument("--state-dir", default=default(None),
                         help="where jobs, logs and checkpoints are kept (default: $ORCH_STATE_DIR or ~/.orch)")
-    parser.add_argument("--output", "-o", choices=("table", "json"), default=default("table"),
-                        help="output format: human tables (default) or JSON for scripts")
+    parser.add_argument("--output", "-o", metavar="{table,json}", default=default("table"),
+                        help="output format: human tables (default) or JSON for scripts (orch export also takes "
+                        "the file to write here)")
     parser.add_argument("--server", default=default(os.environ.get("ORCH_SERVER")),
                         help="URL of an orch server (default: $ORCH_SERVER, else the one running for the state dir)")
 
@@ -909,7 +912,8 @@ def _parser() -> argparse.ArgumentParser:
     sp = add("export", cmd_export, "Write a job's checkpoint as one consolidated fp32 state_dict file (DeepSpeed's "
              "zero_to_fp32), loadable with torch.load + load_state_dict without DeepSpeed.")
     sp.add_argument("job", help="job id (or a unique prefix)")
-    sp.add_argument("file", help="the file to write (torch.save format), e.g. model.pt; its directory must exist")
+    sp.add_argument("file", nargs="?", help="the file to write (torch.save format), e.g. model.pt; its directory "
+                    "must exist (or give it as --output model.pt)")
     sp.add_argument("--tag", default=None, help="checkpoint tag, e.g. step_100 (default: the newest complete one); "
                     "an incomplete tag is refused")
     return p
@@ -917,7 +921,14 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Iterable[str] | None = None) -> int:
     """Entry point of the ``orch`` console script; returns the exit status."""
-    args = _parser().parse_args(list(argv) if argv is not None else None)
+    parser = _parser()
+    args = parser.parse_args(list(argv) if argv is not None else None)
+    fmt = getattr(args, "output", "table")
+    if fmt not in ("table", "json"):
+        if getattr(args, "func", None) is cmd_export and args.file is None:  # orch export JOB --output model.pt
+            args.file, args.output = fmt, "table"
+        else:
+            parser.error(f"argument --output/-o: invalid choice: {fmt!r} (choose from 'table', 'json')")
     try:
         return args.func(args)
     except OrchError as err:

@@ -147,6 +147,13 @@ def test_export_of_a_named_tag_and_the_default_skips_incomplete_tags(trained, tm
     newer = torch.load(_export(t, tmp_path / "step6.pt")["output"], weights_only=True)
     step3 = torch.load(tmp_path / "step3.pt", weights_only=True)
     assert any(not torch.equal(step3[n], newer[n]) for n in newer), "step_3 and step_6 exported the same weights"
+    # the file may also be named with --output (the format option takes anything but table/json as the file)
+    r = t.orch("export", t.job_id, "--output", str(tmp_path / "as-option.pt"), timeout=300)
+    assert r.returncode == 0, r.stderr
+    same = torch.load(tmp_path / "as-option.pt", weights_only=True)
+    assert all(torch.equal(same[n], newer[n]) for n in newer)
+    r = t.orch("export", t.job_id)
+    assert r.returncode == 2 and "Name the file to write" in r.stderr
 
     # a newer tag whose save did not finish (no marker) is skipped by default, refused by name
     broken = t.ckpt / "step_9"
