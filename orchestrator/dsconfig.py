@@ -557,6 +557,9 @@ def hidden_size_from_model_config(path: str | os.PathLike) -> int:
         raise ConfigError(f"model_config {p}: cannot read it: {err.strerror}.", path=p) from err
     except json.JSONDecodeError as err:
         raise ConfigError(f"model_config {p} is not valid JSON: {err.msg} at line {err.lineno}.", path=p) from err
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"model_config {p} is not UTF-8 text (bad byte at offset {err.start}); expected a "
+                          "JSON file.", path=p) from err
     value: Any = None
     if isinstance(data, dict):
         if "hidden_size" in data:

@@ -288,14 +288,38 @@ def _line_of(node: yaml.Node | None, loc: tuple) -> int | None:
     return line
 
 
+def _section_model(loc: tuple) -> type[BaseModel]:
+    """The pydantic model of the spec section at ``loc`` (``("restart",)`` -> RestartPolicy);
+    JobSpec itself for the top level or anything that is not a section."""
+    model: type[BaseModel] = JobSpec
+    for part in loc:
+        field = model.model_fields.get(part) if isinstance(part, str) else None
+        if field is None:
+            field = next((f for f in model.model_fields.values() if f.alias == part), None)
+        inner = getattr(field, "annotation", None)
+        found = inner if isinstance(inner, type) and issubclass(inner, BaseModel) else next(
+            (a for a in getattr(inner, "__args__", ()) if isinstance(a, type) and issubclass(a, BaseModel)), None)
+        if found is None:
+            return JobSpec
+        model = found
+    return model
+
+
 def _problems_from(err: ValidationError, tree: yaml.Node | None) -> list[tuple[str, str, int | None]]:
     problems = []
     for e in err.errors():
         loc = tuple(p for p in e["loc"] if not (isinstance(p, str) and p in ("int", "str", "dict[str,any]", "literal['auto']")))
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
-            valid = ", ".join(f.alias or n for n, f in JobSpec.model_fields.items())
-            msg = f"unknown field; valid fields are: {valid}"
+            section = _section_model(loc[:-1])
+            valid = ", ".join(f.alias or n for n, f in section.model_fields.items())
+            msg = f"unknown field; valid fields{' of ' + loc[-2] if len(loc) > 1 else ''} are: {valid}"
+        elif e["type"] in ("model_type", "model_attributes_type", "dict_type"):
+            short = " or true/false" if loc and loc[-1] == "preflight" else ""
+            section = _section_model(loc) if loc else JobSpec
+            names = "" if section is JobSpec else \
+                " with the fields " + ", ".join(f.alias or n for n, f in section.model_fields.items())
+            msg = f"expected a mapping{names}{short}; got {e.get('input')!r}"
         elif e["type"] == "missing":
             msg = "required field is missing"
         elif loc and loc[0] == "deepspeed_config":
@@ -448,9 +472,12 @@ def load_deepspeed_config(spec: JobSpec) -> dict:
     if isinstance(cfg, dict):
         return dict(cfg)
     try:
-        text = Path(cfg).read_text()
+        text = Path(cfg).read_text(encoding="utf-8")
     except OSError as err:
         raise SpecError(f"cannot read DeepSpeed config {cfg}: {err.strerror}") from err
+    except UnicodeDecodeError as err:
+        raise SpecError(f"DeepSpeed config {cfg} is not UTF-8 text (bad byte at offset {err.start}); expected "
+                        "a JSON file") from err
     try:
         value = json.loads(text)
     except json.JSONDecodeError as err:
@@ -491,8 +518,11 @@ def read_yaml(p: Path, what: str, error: type[SpecError] = SpecError) -> tuple[A
         text = p.read_text(encoding="utf-8")
     except FileNotFoundError as err:
         raise error(f"{what[0].upper() + what[1:]} {p} does not exist.", path=str(p)) from err
-    except (OSError, UnicodeDecodeError) as err:
-        raise error(f"Cannot read {what} {p}: {getattr(err, 'strerror', None) or err}.", path=str(p)) from err
+    except OSError as err:
+        raise error(f"Cannot read {what} {p}: {err.strerror}.", path=str(p)) from err
+    except UnicodeDecodeError as err:
+        raise error(f"{what[0].upper() + what[1:]} {p} is not UTF-8 text (bad byte at offset {err.start}); "
+                    "expected a YAML file.", path=str(p)) from err
     try:
         tree = yaml.compose(text, Loader=_UniqueKeyLoader)
         data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass

@@ -160,3 +160,38 @@ def test_hostfile_that_is_a_directory(project: Path) -> None:
     p = _write(project, f"name: a\nentrypoint: train.py\nhostfile: {project}\n")
     with pytest.raises(SpecError, match="is a directory, not a file"):
         load_spec(p)
+
+
+@pytest.mark.parametrize(("section", "fields"), [
+    ("restart: {max_restart: 1}", "valid fields of restart are: max_restarts, backoff_seconds"),
+    ("ssh: {usr: me}", "valid fields of ssh are: user, port"),
+    ("ray: {adress: auto}", "valid fields of ray are: address, connect_timeout"),
+    ("preflight: {bogus: true}", "valid fields of preflight are: enabled"),
+])
+def test_an_unknown_field_in_a_section_lists_that_sections_fields(project: Path, section: str, fields: str) -> None:
+    p = _write(project, f"name: demo\nentrypoint: train.py\n{section}\n")
+    with pytest.raises(SpecError) as info:
+        load_spec(p)
+    assert fields in str(info.value) and "(line 3)" in str(info.value)
+    assert "hostfile" not in str(info.value)  # not the top-level fields
+
+
+def test_a_section_of_the_wrong_kind_says_what_it_takes(project: Path) -> None:
+    p = _write(project, "name: demo\nentrypoint: train.py\nrestart: 3\npreflight: 'yes'\n")
+    with pytest.raises(SpecError) as info:
+        load_spec(p)
+    text = str(info.value)
+    assert "restart (line 3): expected a mapping with the fields max_restarts," in text and "got 3" in text
+    assert "preflight (line 4): expected a mapping with the fields enabled," in text and "or true/false" in text
+    assert "RestartPolicy" not in text and "PreflightOptions" not in text
+
+
+def test_files_that_are_not_utf8_are_one_clear_error(project: Path) -> None:
+    p = project / "latin1.yaml"
+    p.write_bytes(b"name: demo\nentrypoint: caf\xe9.py\n")
+    with pytest.raises(SpecError, match=r"latin1.yaml is not UTF-8 text \(bad byte at offset 26\)"):
+        load_spec(p)
+    (project / "bin.json").write_bytes(b"\xff{}")
+    p = _write(project, "name: demo\nentrypoint: train.py\ndeepspeed_config: bin.json\n")
+    with pytest.raises(SpecError, match=r"bin.json is not UTF-8 text \(bad byte at offset 0\)"):
+        load_deepspeed_config(load_spec(p))

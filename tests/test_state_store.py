@@ -143,3 +143,11 @@ def test_two_connections_see_each_others_writes(tmp_path) -> None:
     b.set_state("j-1", JobState.PROVISIONING)
     assert a.get_job("j-1").state == JobState.PROVISIONING
     assert isinstance(a._db, sqlite3.Connection)
+
+
+def test_a_damaged_database_is_one_clear_error(tmp_path) -> None:
+    db = tmp_path / "orch.db"
+    db.write_text("garbage, not SQLite\n")
+    with pytest.raises(StateError, match=r"Cannot use the state database .*orch.db: file is not a database.*move it away"):
+        Store(db)
+    assert db.read_text() == "garbage, not SQLite\n"  # nothing lost: the file is left as it was
