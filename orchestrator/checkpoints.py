@@ -38,7 +38,7 @@ from typing import Any, Callable, Iterator, Mapping
 
 from .errors import CheckpointError
 
-__all__ = ["CheckpointInfo", "inspect_tag", "scan", "latest_complete", "MARKER", "UNIVERSAL_MARKER",
+__all__ = ["CheckpointInfo", "inspect_tag", "scan", "latest_complete", "MARKER", "UNIVERSAL_MARKER", "is_universal_dir",
            "UNIVERSAL_SUFFIX", "UniversalCheckpoint", "needs_universal", "convert_to_universal"]
 
 #: The completion marker rank 0 writes last.
@@ -137,7 +137,7 @@ def scan(checkpoint_dir: str | Path) -> list[CheckpointInfo]:
     if not root.is_dir():
         return []
     infos = [inspect_tag(p) for p in root.iterdir()
-             if p.is_dir() and not p.name.startswith(".") and not _is_universal_dir(p)]
+             if p.is_dir() and not p.name.startswith(".") and not is_universal_dir(p)]
     return sorted(infos, key=lambda i: (i.step, i.tag), reverse=True)
 
 
@@ -188,7 +188,7 @@ class UniversalCheckpoint:
     reused: bool
 
 
-def _is_universal_dir(path: Path) -> bool:
+def is_universal_dir(path: Path) -> bool:
     """A conversion's output (finished or not): ``<T>_universal`` beside ``<T>``, or one with orch's marker."""
     name = path.name
     if not name.endswith(UNIVERSAL_SUFFIX):

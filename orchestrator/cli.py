@@ -300,7 +300,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                 " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(defaults.items())), markup=False,
                 highlight=False, soft_wrap=True)
     if plan.deepspeed_config:
-        c.print(Text(f"DeepSpeed config, resolved (written to {plan.deepspeed_config_path}):", style="bold"))
+        c.print(Text(f"DeepSpeed config, resolved (a run writes it to {plan.deepspeed_config_path}):", style="bold"))
         c.print(json.dumps(plan.deepspeed_config, indent=2), markup=False, highlight=False, soft_wrap=True)
     c.print(Text(f"What the real {plan.launcher} launcher would run:", style="bold"))
     for cmd in plan.real_commands:
@@ -436,7 +436,12 @@ def _final_words(detail: dict, header: bool = True) -> None:
     if detail.get("run_dir"):
         c.print(f"logs: {detail['run_dir']}/logs", markup=False, highlight=False)
     if detail["state"] in ("FAILED", "CANCELLED"):
-        c.print(f"resume with: orch resume {detail['id']}", markup=False, highlight=False)
+        if (detail.get("cause") or {}).get("kind") == "preflight_failed":
+            c.print(f"fix the nodes, then resume with: orch resume {detail['id']}; a problem in the spec itself "
+                    "(python, workdir, entrypoint, checkpoint_dir) needs a new job from the fixed spec (orch run), "
+                    "since a resume runs the job's stored spec", markup=False, highlight=False)
+        else:
+            c.print(f"resume with: orch resume {detail['id']}", markup=False, highlight=False)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -778,9 +783,10 @@ def _job_options(parser: argparse.ArgumentParser, suppress: bool = False) -> Non
 
 
 def _job_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("spec", metavar="SPEC|SCRIPT", help="job spec (YAML); with --accelerate-config, a training "
-                        "script instead (then every later word is the script's argument)")
-    parser.add_argument("script_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    parser.add_argument("spec", metavar="SPEC|SCRIPT", nargs="?", help="job spec (YAML); with --accelerate-config, "
+                        "a training script instead (then every later word is the script's argument)")
+    parser.add_argument("script_args", metavar="...", nargs=argparse.REMAINDER,
+                        help="with --accelerate-config: the script's arguments")
     _job_options(parser)
 
 
@@ -814,6 +820,9 @@ def _load_job(args: argparse.Namespace) -> Any:
         SpecError: the spec (or the Accelerate config) has problems.
     """
     from .spec import load_spec, spec_from_dict
+    if not args.spec:
+        raise UsageError(f"Name the job: orch {args.command} job.yaml, or orch {args.command} --accelerate-config "
+                         "accel.yaml train.py [script arguments].")
     rest = list(getattr(args, "script_args", None) or [])
     script_mode = getattr(args, "accelerate_config", None) is not None and \
         not str(args.spec).endswith((".yaml", ".yml"))

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 import secrets
 import sys
@@ -46,7 +47,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from .checkpoints import MARKER, CheckpointInfo, inspect_tag, latest_complete, scan
+from .checkpoints import MARKER, UNIVERSAL_MARKER, CheckpointInfo, is_universal_dir, inspect_tag, latest_complete, scan
 from .errors import ExportError
 
 __all__ = ["ExportResult", "choose_tag", "consolidated_state_dict", "export_checkpoint"]
@@ -126,6 +127,11 @@ def choose_tag(checkpoint_dir: str | Path, tag: str | None = None, label: str = 
         return info
     if not tag or "/" in tag or tag in (".", "..") or not (root / tag).is_dir():
         raise ExportError(f"{label} has no checkpoint tag {tag!r} in {root}; its tags: {_tag_list(scan(root))}.")
+    if is_universal_dir(root / tag):
+        meta = _universal_source(root / tag)
+        raise ExportError(f"Checkpoint {tag} in {root} is a universal checkpoint orch converted for a resume on "
+                          f"another world size; export the checkpoint it was converted from instead "
+                          f"(--tag {meta or tag.removesuffix('_universal')}): it holds the same weights.")
     info = inspect_tag(root / tag)
     if not info.complete:
         newest, _ = latest_complete(root)
@@ -133,6 +139,14 @@ def choose_tag(checkpoint_dir: str | Path, tag: str | None = None, label: str = 
         raise ExportError(f"Checkpoint {tag} in {root} is incomplete, so it is not exported: "
                           f"{'; '.join(info.problems)}{hint}.")
     return info
+
+
+def _universal_source(path: Path) -> str | None:
+    """The tag a universal checkpoint was converted from (its marker's ``source_tag``), or None."""
+    try:
+        return json.loads((path / UNIVERSAL_MARKER).read_text()).get("source_tag")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 @contextlib.contextmanager

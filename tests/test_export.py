@@ -187,6 +187,15 @@ def test_bad_requests_get_one_message_and_exit_status_2(trained, tmp_path) -> No
         assert words in j["error"] and j["kind"] in ("NotFoundError", "ExportError"), j
     assert "step_6 (complete)" in t.orch("export", t.job_id, str(tmp_path / "a.pt"), "--tag", "nope").stderr
     assert not (tmp_path / "a.pt").exists()
+    # a universal checkpoint (what orch converts for a resume on another world size) points at its source
+    universal = t.ckpt / "step_6_universal"
+    universal.mkdir()
+    try:
+        (universal / "orch_universal.json").write_text('{"tag": "step_6_universal", "source_tag": "step_6"}')
+        r = t.orch("export", t.job_id, str(tmp_path / "a.pt"), "--tag", "step_6_universal")
+        assert r.returncode == 2 and "is a universal checkpoint" in r.stderr and "--tag step_6" in r.stderr, r.stderr
+    finally:
+        shutil.rmtree(universal)
 
 
 def test_a_job_that_saved_no_checkpoint(orch, write_spec, hostfile, tmp_path) -> None:

@@ -115,6 +115,7 @@ def _run_failing(orch, spec: Path, failing: dict[str, dict[str, list[str]]], hos
     assert " ".join(" ".join(cause["lines"]).split()) in status, status
     assert {n["host"]: n["state"] for n in detail["node_states"]} == \
         {h: "preflight_failed" if h in failing else "ended" for h in hosts}
+    assert f"fix the nodes, then resume with: orch resume {job['id']}; a problem in the spec itself" in words, out
     return cause
 
 
