@@ -96,6 +96,15 @@ class Orch:
         except ValueError as err:
             raise AssertionError(f"orch {' '.join(args)} printed no JSON ({r.returncode}):\n{r.stdout}\n{r.stderr}") from err
 
+    def events(self, job_id: str, kind: str | None = None) -> list:
+        """The job's events from the store (``EventRecord``s, oldest first), only ``kind`` if given."""
+        from orchestrator.store import Store
+        store = Store(self.state_dir / "orch.db")
+        try:
+            return [e for e in store.events(job_id) if kind is None or e.kind == kind]
+        finally:
+            store.close()
+
     def popen(self, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
         return subprocess.Popen(self.cmd(*args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 env=self.env(env), start_new_session=True)

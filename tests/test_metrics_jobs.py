@@ -52,7 +52,7 @@ def test_taken_metrics_port_and_a_script_that_never_reports(orch, write_spec, ho
                       for g in json.loads(path.read_text())}
             # node 0's port was taken: another one, and a warning saying which; node 1 has port + 1
             assert groups["node-0"] != port and groups["node-1"] == port + 1, groups
-            warnings = [e.data["message"] for e in _events(orch, job_id) if e.kind == "warning"]
+            warnings = [e.data["message"] for e in orch.events(job_id) if e.kind == "warning"]
             assert warnings == [f"metrics port {port} on node-0 cannot be used (Address already in use); the node's "
                                 f"metrics are on port {groups['node-0']} instead"], warnings
 
@@ -92,11 +92,3 @@ def test_taken_metrics_port_and_a_script_that_never_reports(orch, write_spec, ho
     finally:
         taken.close()
 
-
-def _events(orch, job_id: str) -> list:
-    from orchestrator.store import Store
-    store = Store(orch.state_dir / "orch.db")
-    try:
-        return store.events(job_id)
-    finally:
-        store.close()

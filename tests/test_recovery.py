@@ -21,7 +21,6 @@ import pytest
 
 import helpers_train
 from conftest import ROOT, assert_no_leftovers, job_processes, running_server, wait_for
-from orchestrator.store import Store
 
 pytestmark = pytest.mark.integration
 
@@ -51,14 +50,6 @@ def _losses(orch, job_id: str, attempt: int) -> dict[tuple[int, int], str]:
     return found
 
 
-def _events(orch, job_id: str) -> list:
-    store = Store(orch.state_dir / "orch.db")
-    try:
-        return store.events(job_id)
-    finally:
-        store.close()
-
-
 def test_a_killed_server_s_job_is_restarted_by_the_next_server(orch, write_spec, hostfile) -> None:
     spec = write_spec(**_fields(hostfile, "crash", ["--steps", "40"],
                                 restart={"max_restarts": 1, "backoff_seconds": 0}))
@@ -85,7 +76,7 @@ def test_a_killed_server_s_job_is_restarted_by_the_next_server(orch, write_spec,
     assert second["state"] == "SUCCEEDED"
     resumed_from = int(second["resume_tag"].split("_")[1])
     assert resumed_from >= 10 and resumed_from % 5 == 0 and resumed_from <= lost_step
-    kinds = [e.kind for e in _events(orch, job_id)]
+    kinds = [e.kind for e in orch.events(job_id)]
     assert kinds.count("restart_scheduled") == 1
     after = _losses(orch, job_id, 2)
     assert min(s for s, _ in after) == resumed_from + 1 and max(s for s, _ in after) == 40
@@ -108,7 +99,7 @@ def test_a_crash_during_a_save_resumes_from_the_previous_complete_checkpoint(orc
     assert second["resume_tag"] == "step_10"
     out = " ".join(r.stdout.split())
     assert "starts from checkpoint step_10; skipped step_15: no orch_checkpoint.json: the save did not finish" in out
-    (pending,) = [e for e in _events(orch, job["id"]) if e.kind == "state" and e.data.get("to") == "PENDING"]
+    (pending,) = [e for e in orch.events(job["id"]) if e.kind == "state" and e.data.get("to") == "PENDING"]
     assert pending.data["resume_tag"] == "step_10"
     assert [s["tag"] for s in pending.data["skipped_checkpoints"]] == ["step_15"]
     before, after = _losses(orch, job["id"], 1), _losses(orch, job["id"], 2)

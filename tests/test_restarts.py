@@ -12,7 +12,6 @@ import time
 import pytest
 
 from conftest import assert_no_leftovers, wait_for
-from orchestrator.store import Store
 
 pytestmark = pytest.mark.integration
 
@@ -39,14 +38,6 @@ def _spec(write_spec, hostfile, tmp_path, hosts: str = "node-0 slots=1\nnode-1 s
     return fields
 
 
-def _events(orch, job_id: str, kind: str) -> list:
-    store = Store(orch.state_dir / "orch.db")
-    try:
-        return [e for e in store.events(job_id) if e.kind == kind]
-    finally:
-        store.close()
-
-
 def test_a_failed_rank_is_restarted_and_the_job_succeeds(orch, write_spec, hostfile, tmp_path) -> None:
     fields = _spec(write_spec, hostfile, tmp_path, restart={"max_restarts": 2, "backoff_seconds": 0.2},
                    FAIL_TIMES="1")
@@ -62,7 +53,7 @@ def test_a_failed_rank_is_restarted_and_the_job_succeeds(orch, write_spec, hostf
     for rank in (0, 1):
         log = orch("logs", job["id"], "--rank", str(rank)).stdout
         assert f"restart=1 node=node-{rank}" in log  # both ranks of attempt 2 see the same count
-    (ev,) = _events(orch, job["id"], "restart_scheduled")
+    (ev,) = orch.events(job["id"], "restart_scheduled")
     assert ev.data == {"restart": 1, "max_restarts": 2, "in_seconds": 0.2, "exclude_hosts": [],
                        "cause_kind": "rank_exit"}
     assert_no_leftovers(job["id"])
@@ -76,7 +67,7 @@ def test_restarts_stop_at_max_restarts_with_growing_backoff(orch, write_spec, ho
     (job,) = orch.json("list")
     detail = orch.json("status", job["id"])
     assert [a["state"] for a in detail["attempts"]] == ["FAILED"] * 3
-    assert [e.data["in_seconds"] for e in _events(orch, job["id"], "restart_scheduled")] == [
+    assert [e.data["in_seconds"] for e in orch.events(job["id"], "restart_scheduled")] == [
         pytest.approx(0.1), pytest.approx(0.3)]
     assert "no automatic restart: the job was restarted 2 time(s), its max_restarts" in " ".join(r.stdout.split())
     assert_no_leftovers(job["id"])
@@ -89,7 +80,7 @@ def test_only_the_listed_causes_and_exit_codes_are_restarted(orch, write_spec, h
     assert r.returncode == 1
     (job,) = orch.json("list")
     assert len(orch.json("status", job["id"])["attempts"]) == 1
-    assert _events(orch, job["id"], "restart_scheduled") == []
+    assert orch.events(job["id"], "restart_scheduled") == []
     fields = _spec(write_spec, hostfile, tmp_path, restart={"max_restarts": 3, "backoff_seconds": 0,
                                                             "retry_on": ["node_lost"]}, FAIL_TIMES="9")
     r = orch("run", str(write_spec(**fields)), timeout=120)  # a rank exit is not a node loss
@@ -104,8 +95,8 @@ def test_a_lost_node_is_left_out_and_a_spare_takes_its_place(orch, write_spec, h
     proc = orch.popen("run", str(write_spec(**fields)))
     try:
         job_id = wait_for(lambda: (orch.json("list") or [{}])[0].get("id"), 30, "the job")
-        agents = wait_for(lambda: {e.data["node_rank"]: e.data["pid"] for e in _events(orch, job_id, "agent_up")}
-                          if len(_events(orch, job_id, "agent_up")) == 2 else None, 60, "both agents")
+        agents = wait_for(lambda: {e.data["node_rank"]: e.data["pid"] for e in orch.events(job_id, "agent_up")}
+                          if len(orch.events(job_id, "agent_up")) == 2 else None, 60, "both agents")
         wait_for(lambda: orch.json("status", job_id)["state"] == "RUNNING", 60, "RUNNING")
         os.kill(agents[1], signal.SIGKILL)  # node-1's agent: its link closes, the node is lost
         out, err = proc.communicate(timeout=120)
@@ -129,7 +120,7 @@ def test_cancel_during_the_backoff_calls_the_restart_off(orch, write_spec, hostf
     proc = orch.popen("run", str(write_spec(**fields)))
     try:
         job_id = wait_for(lambda: (orch.json("list") or [{}])[0].get("id"), 30, "the job")
-        wait_for(lambda: _events(orch, job_id, "restart_scheduled"), 60, "the restart to be scheduled")
+        wait_for(lambda: orch.events(job_id, "restart_scheduled"), 60, "the restart to be scheduled")
         t0 = time.monotonic()
         r = orch("cancel", job_id)  # another process: through the store to `orch run`'s controller
         assert r.returncode == 0, r.stderr
@@ -140,7 +131,7 @@ def test_cancel_during_the_backoff_calls_the_restart_off(orch, write_spec, hostf
             proc.kill()
             proc.wait(30)
     assert proc.returncode == 1 and took < 10, (took, out, err)
-    (ev,) = _events(orch, job_id, "restart_called_off")
+    (ev,) = orch.events(job_id, "restart_called_off")
     assert ev.data == {"reason": "cancelled by the user"}
     detail = orch.json("status", job_id)
     assert detail["state"] == "FAILED" and len(detail["attempts"]) == 1

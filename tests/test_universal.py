@@ -42,14 +42,6 @@ TINY = ["--n-layer", "1", "--d-model", "32", "--n-head", "2", "--seq-len", "32",
 EVAL_RE = re.compile(r"^\[eval\] global_step=(\d+) rank=(\d+) eval_loss=(\S+)", re.MULTILINE)
 
 
-def _events(orch, job_id: str, kind: str) -> list:
-    store = Store(orch.state_dir / "orch.db")
-    try:
-        return [e for e in store.events(job_id) if e.kind == kind]
-    finally:
-        store.close()
-
-
 def _attempt_plan(orch, job_id: str, number: int) -> dict:
     store = Store(orch.state_dir / "orch.db")
     try:
@@ -95,8 +87,8 @@ def test_a_lost_node_without_a_spare_resumes_on_fewer_nodes_from_a_universal_che
     proc = orch.popen("run", str(spec))
     try:
         job_id = wait_for(lambda: (orch.json("list") or [{}])[0].get("id"), 60, "the job")
-        agents = wait_for(lambda: {e.data["node_rank"]: e.data["pid"] for e in _events(orch, job_id, "agent_up")}
-                          if len(_events(orch, job_id, "agent_up")) == 3 else None, 120, "three agents")
+        agents = wait_for(lambda: {e.data["node_rank"]: e.data["pid"] for e in orch.events(job_id, "agent_up")}
+                          if len(orch.events(job_id, "agent_up")) == 3 else None, 120, "three agents")
         first_dir = Path(wait_for(lambda: orch.json("status", job_id).get("run_dir"), 60, "the run dir"))
         ckpt = Path(orch.json("status", job_id)["checkpoint_dir"])
         wait_for(lambda: "[hang] rank=1 " in (first_dir / "logs" / "rank-1.log").read_text(errors="replace")
@@ -123,7 +115,7 @@ def test_a_lost_node_without_a_spare_resumes_on_fewer_nodes_from_a_universal_che
     table = " ".join(orch("status", job_id).stdout.split())
     assert "step_40_universal (converted from step_40)" in table, table
 
-    (conv,) = _events(orch, job_id, "checkpoint_converted")
+    (conv,) = orch.events(job_id, "checkpoint_converted")
     assert conv.attempt == 2
     assert {k: conv.data[k] for k in ("from_tag", "tag", "step", "zero_stage", "from_world_size",
                                       "from_dp_world_size", "to_world_size", "reused")} == {
@@ -409,7 +401,7 @@ def test_resume_by_hand_without_a_complete_checkpoint_is_refused_unless_fresh(or
     detail = orch.json("status", job["id"])
     assert detail["state"] == "SUCCEEDED" and detail["attempts"][1]["resume_tag"] is None
     assert "restart=1 resume_tag=None" in orch("logs", job["id"], "--rank", "0").stdout
-    pending = [e for e in _events(orch, job["id"], "state") if e.data["to"] == "PENDING" and e.attempt == 2]
+    pending = [e for e in orch.events(job["id"], "state") if e.data["to"] == "PENDING" and e.attempt == 2]
     assert pending[0].data["fresh"] is True and pending[0].data["resume_tag"] is None
     assert_no_leftovers(job["id"])
 
@@ -452,10 +444,10 @@ def test_an_automatic_restart_starts_from_step_0_only_if_no_save_ever_finished(o
     if restarted:  # killed before its first save finished: a restart from step 0 is what was there
         assert r.returncode == 0, r.stdout + r.stderr
         assert [a["resume_tag"] for a in detail["attempts"]] == [None, None] and detail["state"] == "SUCCEEDED"
-        assert _events(orch, job["id"], "restart_failed") == []
+        assert orch.events(job["id"], "restart_failed") == []
     else:  # step_20 was complete once: starting over would silently throw its training away
         assert r.returncode == 1 and len(detail["attempts"]) == 1 and detail["state"] == "FAILED"
-        (failed,) = _events(orch, job["id"], "restart_failed")
+        (failed,) = orch.events(job["id"], "restart_failed")
         msg = failed.data["message"]
         assert f"no complete checkpoint to resume from in {detail['checkpoint_dir']}" in msg
         assert "The automatic restart is not done, since it would start from step 0." in msg
