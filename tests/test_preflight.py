@@ -448,14 +448,26 @@ def test_a_check_that_hangs_fails_at_the_timeout_and_is_killed(orch, write_spec,
     assert str(python) in cause["failures"][0]["message"] or "python check" in cause["failures"][0]["message"]
 
 
+def _job_id(orch) -> str:
+    """The id of the one job in ``orch``'s store, once there is one."""
+    store_path = orch.state_dir / "orch.db"
+    return wait_for(lambda: store_path.exists() and [j.id for j in Store(store_path).list_jobs()], 60, "the job")[0]
+
+
+def _job_checking(orch) -> str:
+    """:func:`_job_id`, once both nodes run the (hanging) python check of ``_hanging_python``."""
+    job_id = _job_id(orch)
+    wait_for(lambda: len([p for p in job_processes(job_id) if "sleep" in " ".join(p.cmdline())]) == 2, 60,
+             "both nodes' python checks to run")
+    return job_id
+
+
 @pytest.mark.integration
 def test_node_lost_during_preflight_is_detected_by_heartbeats(orch, write_spec, hostfile, tmp_path) -> None:
     spec = write_spec(**_fields(hostfile(TWO_NODES), tmp_path, python=str(_hanging_python(tmp_path))))
     proc = orch.popen("run", str(spec), env={"ORCH_PREFLIGHT_TIMEOUT_S": "120"})
     try:
-        store_path = orch.state_dir / "orch.db"
-        job_id = wait_for(lambda: store_path.exists() and [j.id for j in Store(store_path).list_jobs()], 60,
-                          "the job")[0]
+        job_id = _job_id(orch)
 
         def agent_of_node_1_checking() -> Any:
             agents = [p for p in job_processes(job_id) if p.environ().get("ORCH_AGENT_NODE_RANK") == "1"]
@@ -482,11 +494,7 @@ def test_controller_killed_during_preflight_leaves_nothing(orch, write_spec, hos
     spec = write_spec(**_fields(hostfile(TWO_NODES), tmp_path, python=str(_hanging_python(tmp_path))))
     proc = orch.popen("run", str(spec), env={"ORCH_PREFLIGHT_TIMEOUT_S": "120"})
     try:
-        store_path = orch.state_dir / "orch.db"
-        job_id = wait_for(lambda: store_path.exists() and [j.id for j in Store(store_path).list_jobs()], 60,
-                          "the job")[0]
-        wait_for(lambda: len([p for p in job_processes(job_id) if "sleep" in " ".join(p.cmdline())]) == 2, 60,
-                 "both nodes' python checks to run")
+        job_id = _job_checking(orch)
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(30)
@@ -501,11 +509,7 @@ def test_agents_give_up_a_silent_controller_during_preflight(orch, write_spec, h
     spec = write_spec(**_fields(hostfile(TWO_NODES), tmp_path, python=str(_hanging_python(tmp_path))))
     proc = orch.popen("run", str(spec), env={"ORCH_PREFLIGHT_TIMEOUT_S": "120", "ORCH_AGENT_LEASE_S": "2"})
     try:
-        store_path = orch.state_dir / "orch.db"
-        job_id = wait_for(lambda: store_path.exists() and [j.id for j in Store(store_path).list_jobs()], 60,
-                          "the job")[0]
-        wait_for(lambda: len([p for p in job_processes(job_id) if "sleep" in " ".join(p.cmdline())]) == 2, 60,
-                 "both nodes' python checks to run")
+        job_id = _job_checking(orch)
         proc.send_signal(signal.SIGSTOP)
         stopped_at = time.monotonic()
         wait_for(lambda: not job_processes(job_id), 15, "the agents and their checks to end on their own")
