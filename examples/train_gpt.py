@@ -662,6 +662,20 @@ def save_16bit_model(engine, ckpt_dir, step, global_rank) -> None:
             f"bytes={(tag_dir / MODEL_16BIT).stat().st_size} save_s={time.time() - t0:.3f}")
 
 
+def load_at_step(engine, ckpt_dir, tag, expected_step, what: str, marker_name: str) -> tuple[int, dict | None]:
+    """``engine.load_checkpoint`` of ``tag``; returns ``(global_steps, client_state)``.
+
+    Raises SystemExit when DeepSpeed loads nothing (``what`` names the checkpoint) or restores
+    another step than ``expected_step``, the one orch's marker (``marker_name``) recorded."""
+    load_path, client_state = engine.load_checkpoint(ckpt_dir, tag=tag)
+    if load_path is None:
+        raise SystemExit(f"DeepSpeed could not load {what}")
+    step = int(engine.global_steps)
+    if step != expected_step:
+        raise SystemExit(f"{tag}: DeepSpeed restored global_steps={step}, {marker_name} says {expected_step}")
+    return step, client_state
+
+
 def resume(engine, ckpt_dir, tag, sampler, global_rank, world_size, dp_size, zero_stage, corpus_info) -> int:
     tag_dir = Path(ckpt_dir) / tag
     marker_path = tag_dir / MARKER
@@ -675,12 +689,7 @@ def resume(engine, ckpt_dir, tag, sampler, global_rank, world_size, dp_size, zer
     if marker.get("zero_stage") != zero_stage:
         out(f"[resume] rank={global_rank} warning: checkpoint ZeRO stage {marker.get('zero_stage')}, "
             f"now {zero_stage}")
-    load_path, client_state = engine.load_checkpoint(ckpt_dir, tag=tag)
-    if load_path is None:
-        raise SystemExit(f"DeepSpeed could not load {tag_dir}")
-    step = int(engine.global_steps)
-    if step != marker.get("step"):
-        raise SystemExit(f"{tag}: DeepSpeed restored global_steps={step}, marker says {marker.get('step')}")
+    step, client_state = load_at_step(engine, ckpt_dir, tag, marker.get("step"), str(tag_dir), "marker")
     rank_file = tag_dir / RANK_FILE_FMT.format(rank=global_rank)
     sd = torch.load(rank_file, map_location="cpu", weights_only=True)
     if sd["meta"].get("corpus_sha256") != corpus_info["sha256"]:
@@ -708,12 +717,8 @@ def resume_universal(engine, ckpt_dir, tag, sampler, global_rank, world_size, dp
     tag_dir = Path(ckpt_dir) / tag
     meta = json.loads((tag_dir / UNIVERSAL_MARKER).read_text())
     source = meta.get("source") or {}
-    load_path, client_state = engine.load_checkpoint(ckpt_dir, tag=tag)
-    if load_path is None:
-        raise SystemExit(f"DeepSpeed could not load the universal checkpoint {tag_dir}")
-    step = int(engine.global_steps)
-    if step != meta.get("step"):
-        raise SystemExit(f"{tag}: DeepSpeed restored global_steps={step}, {UNIVERSAL_MARKER} says {meta.get('step')}")
+    step, client_state = load_at_step(engine, ckpt_dir, tag, meta.get("step"), f"the universal checkpoint {tag_dir}",
+                                      UNIVERSAL_MARKER)
     if source.get("corpus_sha256") not in (None, corpus_info["sha256"]):
         out(f"[resume] rank={global_rank} warning: corpus differs from the checkpoint's "
             f"({source.get('corpus_sha256')} vs {corpus_info['sha256']})")
