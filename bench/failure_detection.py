@@ -74,7 +74,7 @@ def run_orch(tmp: Path) -> tuple[float, float]:
                                     "stop_grace_seconds": 2}))
     e = _env(ready)
     e["ORCH_STATE_DIR"] = str(tmp / "state")
-    proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "run", str(spec)], env=e,
+    proc = subprocess.Popen([sys.executable, "-m", "orchestrator", "run", str(spec)], env=e,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     _wait(lambda: len(list(ready.glob("rank*.ready"))) == 4)
     pids = [_rank_pid(r) for r in range(4)]

@@ -84,7 +84,7 @@ class Server:
         env = {**os.environ, "ORCH_STATE_DIR": str(self.state_dir)}
         env.pop("ORCH_SERVER", None)
         with open(self.state_dir.parent / "server.log", "ab") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "server", "--port",
+            self.proc = subprocess.Popen([sys.executable, "-m", "orchestrator", "server", "--port",
                                           str(self.port)], env=env, stdout=log, stderr=log, start_new_session=True)
         try:
             wait_for(self._up, 120, "orch server")

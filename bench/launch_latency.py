@@ -102,7 +102,7 @@ def run_orch(tmp: Path) -> float:
     e = env()
     e["ORCH_STATE_DIR"] = str(state)
     t0 = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "run", str(spec)], env=e,
+    proc = subprocess.Popen([sys.executable, "-m", "orchestrator", "run", str(spec)], env=e,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     while not list(state.glob("jobs/*/attempt-1/logs")):
         time.sleep(0.01)

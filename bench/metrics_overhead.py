@@ -62,7 +62,7 @@ def run(mode: str, work: Path, args: argparse.Namespace, scrapes: list[float]) -
     path = work / f"{mode}.yaml"
     path.write_text(yaml.safe_dump(spec))
     env = {**os.environ, "ORCH_STATE_DIR": str(state), "ORCH_PROMETHEUS_TARGETS": str(state / "targets")}
-    proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "run", str(path)], env=env, cwd=ROOT,
+    proc = subprocess.Popen([sys.executable, "-m", "orchestrator", "run", str(path)], env=env, cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     stop = threading.Event()
     scraper = threading.Thread(target=_scrape_loop, args=(state / "targets", stop, scrapes), daemon=True)

@@ -79,7 +79,7 @@ class Orch:
         return env
 
     def cmd(self, *args: str) -> list[str]:
-        return [sys.executable, "-m", "orchestrator.cli", *args]
+        return [sys.executable, "-m", "orchestrator", *args]
 
     def __call__(self, *args: str, timeout: float = 600, env: dict[str, str] | None = None,
                  check: bool | None = None, replace_env: bool = False) -> subprocess.CompletedProcess:

@@ -1,4 +1,4 @@
-"""Accelerate config files as job settings (orchestrator.accelerate_config), checked against
+"""Accelerate config files as job settings (orchestrator.spec.accelerate), checked against
 Accelerate 1.15 itself: its launch code (``_validate_launch_command`` + ``prepare_deepspeed_cmd_env``)
 gives the environment and command ``accelerate launch`` would give, and its ``DeepSpeedPlugin``
 gives the DeepSpeed config the script would use. Nothing is started (the CLI tests run ``orch plan``)."""
@@ -15,7 +15,7 @@ import pytest
 import yaml
 from accelerate_oracle import accelerate_ds_config, accelerate_launch, printless
 
-from orchestrator.accelerate_config import AccelerateSettings, job_deepspeed, load_accelerate_config
+from orchestrator.spec.accelerate import AccelerateSettings, job_deepspeed, load_accelerate_config
 from orchestrator.errors import ConfigError, SpecError
 from orchestrator.spec import spec_from_dict
 
@@ -561,8 +561,8 @@ def test_orch_plan_of_a_spec_with_options_after_it(project, orch) -> None:
 def test_the_plan_gives_every_rank_the_accelerate_environment(project) -> None:
     import collections
 
-    from orchestrator.hostfile import resolve_pool
-    from orchestrator.plan import PlanInputs, make_plan
+    from orchestrator.planning import resolve_pool
+    from orchestrator.planning import PlanInputs, make_plan
     accel = _write(project, "accel.yaml", EX_ZERO2)
     spec = _spec(project, accel, micro_batch_size=2, env={"ACCELERATE_GRADIENT_CLIPPING": "0.5", "PYTHONPATH": "/mine",
                                                           "PYTORCH_NVML_BASED_CUDA_CHECK": "0"})

@@ -115,7 +115,7 @@ def _run_accelerate(configs: list[Path], flags: list[str], args: list[str], base
 
 def _run_orch(orch, options: list[str], args: list[str], base: dict, cwd: Path) -> dict:
     """``orch run -o json <options> probe.py <args>`` from ``cwd`` under exactly ``base``; it must SUCCEED."""
-    cmd = [PYTHON, "-m", "orchestrator.cli", "run", "--output", "json", *options, str(PROBE), *args]
+    cmd = [PYTHON, "-m", "orchestrator", "run", "--output", "json", *options, str(PROBE), *args]
     r = subprocess.run(cmd, env=orch.env(base, replace=True), cwd=cwd, capture_output=True, text=True,
                        timeout=TIMEOUT)
     try:

@@ -1,4 +1,4 @@
-"""DeepSpeed config resolution (orchestrator.dsconfig): every "auto" filled as Accelerate fills it,
+"""DeepSpeed config resolution (orchestrator.spec.dsconfig): every "auto" filled as Accelerate fills it,
 and every rule checked, each with a failing and a passing case. Pure: no processes."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from orchestrator.dsconfig import (DeepSpeedSettings, RunFacts, check, hidden_size_from_model_config,
+from orchestrator.spec.dsconfig import (DeepSpeedSettings, RunFacts, check, hidden_size_from_model_config,
                                    plugin_config, resolve)
 from orchestrator.errors import ConfigError, SpecError
 

@@ -18,7 +18,7 @@ import psutil
 import pytest
 
 from conftest import SCRIPTS, assert_no_leftovers, job_processes, wait_for
-from orchestrator.controller import Controller
+from orchestrator.supervision import Controller
 
 pytestmark = pytest.mark.integration
 

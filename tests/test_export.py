@@ -25,7 +25,7 @@ from conftest import ROOT, Orch
 
 from orchestrator.checkpoints import inspect_tag
 from orchestrator.errors import ExportError
-from orchestrator.export import export_checkpoint
+from orchestrator.checkpoints import export_checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import helpers_train

@@ -1,4 +1,4 @@
-"""orchestrator.hostfile: error messages, warnings for DeepSpeed's quirks, examples, speed.
+"""orchestrator.planning.hostfile: error messages, warnings for DeepSpeed's quirks, examples, speed.
 
 Equivalence with DeepSpeed itself is checked in tests/test_hostfile_differential.py.
 """
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator.errors import FilterError, HostfileError, OrchError
-from orchestrator.hostfile import (
+from orchestrator.planning import (
     Hostfile,
     ResourcePool,
     load_hostfile,

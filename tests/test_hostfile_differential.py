@@ -1,4 +1,4 @@
-"""orchestrator.hostfile against DeepSpeed's own runner functions, on generated inputs.
+"""orchestrator.planning.hostfile against DeepSpeed's own runner functions, on generated inputs.
 
 The oracle is the installed ``deepspeed.launcher.runner``: ``_parse_hostfile`` (fed the
 lines a text-mode ``readlines()`` gives, as ``fetch_hostfile`` does), ``fetch_hostfile``,
@@ -29,7 +29,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 from deepspeed.launcher import runner as ds  # noqa: E402
 
 from orchestrator.errors import FilterError, HostfileError  # noqa: E402
-from orchestrator.hostfile import (  # noqa: E402
+from orchestrator.planning import (  # noqa: E402
     load_hostfile,
     parse_filter,
     parse_hostfile,

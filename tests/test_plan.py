@@ -7,8 +7,8 @@ import collections
 import pytest
 
 from orchestrator.errors import LaunchError, PlanError, SpecError
-from orchestrator.hostfile import ResourcePool, resolve_pool
-from orchestrator.plan import PlanInputs, make_plan
+from orchestrator.planning import ResourcePool, resolve_pool
+from orchestrator.planning import PlanInputs, make_plan
 from orchestrator.spec import spec_from_dict
 
 

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from orchestrator.errors import PlanError
-from orchestrator.ports import reserve_port
+from orchestrator.supervision.ports import reserve_port
 
 
 def _free_port() -> int:
@@ -46,7 +46,7 @@ def test_auto_gives_two_jobs_different_ports(tmp_path) -> None:
 
 def test_reservation_is_seen_by_another_process_and_dies_with_it(tmp_path) -> None:
     port = _free_port()
-    code = ("import sys,time; from orchestrator.ports import reserve_port;"
+    code = ("import sys,time; from orchestrator.supervision.ports import reserve_port;"
             f"l = reserve_port({str(tmp_path)!r}, {port}); print('held', flush=True); time.sleep(60)")
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:

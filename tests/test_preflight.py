@@ -24,9 +24,9 @@ from typing import Any
 import pytest
 
 from conftest import SCRIPTS, assert_no_leftovers, job_processes, start_test_network, wait_for
-from orchestrator.controller import Controller, prepare_plan
+from orchestrator.supervision import Controller, prepare_plan
 from orchestrator.errors import SpecError
-from orchestrator.preflight import PreflightRound, skipped_checks
+from orchestrator.supervision.preflight import PreflightRound, skipped_checks
 from orchestrator.provisioners import LocalProvisioner
 from orchestrator.spec import spec_from_dict
 from orchestrator.store import Store
@@ -122,7 +122,7 @@ def _run_failing(orch, spec: Path, failing: dict[str, dict[str, list[str]]], hos
 def _controller_run(state_dir: Path, fields: dict, timeout: float = 120, **kw: Any) -> tuple[Store, dict]:
     """Run a spec (files not checked on this machine, as on another node) with an in-process
     controller; returns the store and the job's detail once every process is gone."""
-    from orchestrator.views import job_detail
+    from orchestrator.observe import job_detail
     c = Controller(state_dir, **kw)
     try:
         job = c.submit(spec_from_dict(fields, check_files=False))

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator.errors import ProvisionError
-from orchestrator.hostfile import ResourcePool
+from orchestrator.planning import ResourcePool
 from orchestrator.provisioners.ssh import SSHProvisioner
 from orchestrator.spec import SSHOptions
 

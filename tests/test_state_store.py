@@ -8,7 +8,7 @@ import sqlite3
 import pytest
 
 from orchestrator.errors import NotFoundError, StateError
-from orchestrator.state import TRANSITIONS, JobState, can_transition, check_transition
+from orchestrator.store import TRANSITIONS, JobState, can_transition, check_transition
 from orchestrator.store import Store
 
 EXPECTED = {

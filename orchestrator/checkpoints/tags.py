@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
 
-from .errors import CheckpointError
+from ..errors import CheckpointError
 
 __all__ = ["CheckpointInfo", "inspect_tag", "scan", "latest_complete", "MARKER", "UNIVERSAL_MARKER", "is_universal_dir",
            "UNIVERSAL_SUFFIX", "UniversalCheckpoint", "needs_universal", "convert_to_universal"]

@@ -30,11 +30,11 @@ from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from . import __version__
-from .controller import Controller
-from .errors import NotFoundError, OrchError, StateError
-from .spec import spec_from_dict
-from .views import job_detail, job_summary, read_log
+from .. import __version__
+from ..supervision import Controller
+from ..errors import NotFoundError, OrchError, StateError
+from ..spec import spec_from_dict
+from ..observe import job_detail, job_summary, read_log
 
 __all__ = ["WEB_DIR", "create_app"]
 

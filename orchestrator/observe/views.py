@@ -15,8 +15,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from .errors import NotFoundError
-from .store import AttemptRecord, JobRecord, Store
+from ..errors import NotFoundError
+from ..store import AttemptRecord, JobRecord, Store
 
 __all__ = ["job_summary", "job_detail", "rank_rows", "node_rows", "read_log", "progress_of", "log_path"]
 

@@ -85,7 +85,7 @@ import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from orchestrator.errors import FilterError, HostfileError
+from ..errors import FilterError, HostfileError
 
 __all__ = [
     "HOSTFILE_FORM",

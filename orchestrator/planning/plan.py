@@ -15,12 +15,12 @@ import os
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
-from .errors import PlanError
+from ..errors import PlanError
 from .hostfile import ResourcePool
-from .launchers import get_launcher
-from .launchers.base import LaunchContext, RealCommand
-from .launchers.deepspeed import pdsh_exports
-from .spec import JobSpec
+from ..launchers import get_launcher
+from ..launchers.base import LaunchContext, RealCommand
+from ..launchers.deepspeed import pdsh_exports
+from ..spec import JobSpec
 
 __all__ = ["PlanInputs", "RankPlan", "NodePlan", "JobPlan", "make_plan", "orch_env"]
 

@@ -7,8 +7,8 @@ import queue
 from abc import ABC, abstractmethod
 from typing import Any
 
-from ..hostfile import ResourcePool
-from ..plan import JobPlan, NodePlan
+from ..planning import ResourcePool
+from ..planning import JobPlan, NodePlan
 
 __all__ = ["AgentHandle", "Provisioner"]
 

@@ -20,7 +20,7 @@ from agents.link import MessageReader, MessageWriter
 from agents.ranks import kill_marked
 
 from ..errors import ProvisionError
-from ..plan import JobPlan, NodePlan
+from ..planning import JobPlan, NodePlan
 from .base import AgentHandle, Provisioner
 
 __all__ = ["LocalProvisioner", "LocalAgent"]

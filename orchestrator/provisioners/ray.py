@@ -37,8 +37,8 @@ from agents.link import decode, encode
 from agents.ray_actor import EOF_LINE, make_actor_class
 
 from ..errors import ProvisionError
-from ..hostfile import ResourcePool
-from ..plan import JobPlan, NodePlan
+from ..planning import ResourcePool
+from ..planning import JobPlan, NodePlan
 from .base import AgentHandle, Provisioner
 
 __all__ = ["RayProvisioner", "RayAgent", "connect", "match_node"]

@@ -43,8 +43,8 @@ import paramiko
 from agents.link import MessageReader, MessageWriter
 
 from ..errors import ProvisionError
-from ..hostfile import ResourcePool
-from ..plan import JobPlan, NodePlan
+from ..planning import ResourcePool
+from ..planning import JobPlan, NodePlan
 from ..spec import SSHOptions
 from .base import AgentHandle, Provisioner
 

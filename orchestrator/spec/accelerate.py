@@ -33,7 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .dsconfig import (SETTING_KEYS, DeepSpeedSettings, ResolvedConfig, RunFacts, hidden_size_from_model_config,
                        plugin_config, resolve)
-from .errors import ConfigError
+from ..errors import ConfigError
 
 __all__ = ["AccelerateSettings", "AccelerateConfig", "load_accelerate_config", "read_for_spec",
            "job_deepspeed", "JobDeepSpeed", "DEEPSPEED_SECTION_KEYS", "AMBIGUOUS_KEYS"]
@@ -417,7 +417,7 @@ def _key_path(e: Any) -> tuple:
 
 
 def _yaml_problems(err: ValidationError, tree: yaml.Node | None) -> list[tuple[str, str, int | None]]:
-    from .spec import _line_of  # the spec's YAML line finder (spec imports this module lazily)
+    from .jobspec import _line_of  # the spec's YAML line finder (spec imports this module lazily)
     out, seen = [], set()
     for e in err.errors():
         loc = _key_path(e)
@@ -444,7 +444,7 @@ def _read(source: str | Mapping[str, Any], base_dir: str | Path) -> tuple[Accele
                                                                            list[tuple[str, str, int | None]]]:
     """Read and validate; ``(config or None, problems with lines)``. Raises ConfigError for a
     file that cannot be read or is not YAML."""
-    from .spec import _line_of, read_yaml
+    from .jobspec import _line_of, read_yaml
     tree = None
     if isinstance(source, Mapping):
         data, name, base = dict(source), "<inline>", Path(base_dir).resolve()
@@ -536,7 +536,7 @@ def _section_lines(cfg: AccelerateConfig) -> dict[str, int]:
     """``{key path: line}`` for the file's top-level keys and its deepspeed_config section."""
     if cfg.source == "<inline>":
         return {}
-    from .spec import _line_of, read_yaml
+    from .jobspec import _line_of, read_yaml
     try:
         tree, _ = read_yaml(Path(cfg.source), "Accelerate config", ConfigError)
     except ConfigError:
@@ -607,7 +607,7 @@ def job_deepspeed(spec: Any, slots_per_node: list[int] | tuple[int, ...],
         ConfigError: a config cannot be read or resolved (every problem listed).
         SpecError: the DeepSpeed config file is missing or not JSON.
     """
-    from .spec import load_deepspeed_config
+    from .jobspec import load_deepspeed_config
     user = load_deepspeed_config(spec)
     acc = None
     if spec.accelerate_config is not None:

@@ -47,7 +47,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 __all__ = ["AUTO", "DeepSpeedSettings", "RunFacts", "ResolvedConfig", "plugin_config", "resolve", "check",
            "hidden_size_from_model_config", "HIDDEN_SIZE_KEYS", "SCRIPT_FILLED_KEYS", "SETTING_KEYS"]

@@ -19,8 +19,8 @@ from typing import Annotated, Any, Literal, Mapping
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .accelerate_config import AccelerateSettings
-from .errors import SpecError
+from .accelerate import AccelerateSettings
+from ..errors import SpecError
 
 __all__ = ["JobSpec", "SSHOptions", "RayOptions", "load_spec", "spec_from_dict", "load_deepspeed_config", "PROVISIONERS",
            "KNOWN_LAUNCHERS", "PreflightOptions"]
@@ -382,7 +382,7 @@ def spec_from_dict(data: Any, base_dir: str | Path = ".", source: str = "<spec>"
         _raise([("(spec)", f"expected a mapping of fields (name: ..., entrypoint: ...); got {type(data).__name__}", None)], source)
     accelerate_problems: list[tuple[str, str]] = []
     if data.get("accelerate_config") is not None:  # its keys become the spec's where the spec is silent
-        from .accelerate_config import read_for_spec
+        from .accelerate import read_for_spec
         data, accelerate_problems = read_for_spec(dict(data), base_dir)
     accelerate_lines = [(p, m, _line_of(_tree, ("accelerate_config",))) for p, m in accelerate_problems]
     try:
@@ -413,9 +413,9 @@ def spec_from_dict(data: Any, base_dir: str | Path = ".", source: str = "<spec>"
 
 def _support_problems(spec: JobSpec) -> list[tuple[str, str]]:
     """What this version of orch cannot run, as problems of the spec."""
-    from .errors import OrchError
-    from .launchers import get_launcher
-    from .provisioners import get_provisioner
+    from ..errors import OrchError
+    from ..launchers import get_launcher
+    from ..provisioners import get_provisioner
     problems = []
     for name, check in (("launcher", get_launcher), ("provisioner", get_provisioner)):
         try:

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from .errors import NotFoundError, StateError
-from .state import JobState, check_transition
+from ..errors import NotFoundError, StateError
+from .states import JobState, check_transition
 
 __all__ = ["Store", "JobRecord", "AttemptRecord", "EventRecord"]
 

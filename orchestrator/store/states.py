@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from enum import Enum
 
-from .errors import StateError
+from ..errors import StateError
 
 __all__ = ["JobState", "TRANSITIONS", "check_transition", "can_transition"]
 

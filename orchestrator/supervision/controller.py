@@ -36,19 +36,17 @@ from typing import Any, Callable
 
 import psutil
 
-from .checkpoints import (MARKER, CheckpointInfo, UniversalCheckpoint, convert_to_universal, latest_complete,
-                          needs_universal)
-from .errors import CheckpointError, FilterError, HostfileError, OrchError, ProvisionError, SpecError, StateError
-from .hostfile import ResourcePool, load_hostfile, resolve_pool
-from .launchers.deepspeed import ACCELERATOR_EXPORT_PREFIXES, deepspeed_env_files
-from .metrics import ControllerMetrics, TargetsWriter, attempt_targets, default_targets_dir
-from .plan import JobPlan, PlanInputs, make_plan
-from .preflight import PreflightRound
+from ..checkpoints import (MARKER, CheckpointInfo, UniversalCheckpoint, convert_to_universal, latest_complete,
+                           needs_universal)
+from ..errors import CheckpointError, FilterError, HostfileError, OrchError, ProvisionError, SpecError, StateError
+from ..launchers.deepspeed import ACCELERATOR_EXPORT_PREFIXES, deepspeed_env_files
+from ..observe import ControllerMetrics, TargetsWriter, attempt_targets, default_targets_dir
+from ..planning import JobPlan, PlanInputs, ResourcePool, load_hostfile, make_plan, resolve_pool
+from ..provisioners import AgentHandle, Provisioner, get_provisioner
+from ..spec import JobSpec, spec_from_dict
+from ..store import JobRecord, JobState, Store
 from .ports import PortLease, default_lock_dir, reserve_port
-from .provisioners import AgentHandle, Provisioner, get_provisioner
-from .spec import JobSpec, spec_from_dict
-from .state import JobState
-from .store import JobRecord, Store
+from .preflight import PreflightRound
 
 __all__ = ["Controller", "AttemptRun", "prepare_plan", "recover_orphans", "default_state_dir", "new_job_id",
            "rank_log_tail"]
@@ -125,7 +123,7 @@ def prepare_plan(spec: JobSpec, state_dir: str | Path, job_id: str, *, attempt: 
     provisioner.check(pool)
     if attempt == 1:  # a restart that has just used the spare must still run
         _check_restart_policy(spec, provisioner, pool)
-    from .accelerate_config import job_deepspeed
+    from ..spec import job_deepspeed
     job_ds = job_deepspeed(spec, [len(slots) for _, slots in pool.nodes], os.environ)  # resolved for this world
     master_addr = spec.master_addr or provisioner.master_addr(pool.hosts[0])
     lease = reserve_port(default_lock_dir(), spec.master_port, master_addr,

@@ -19,7 +19,7 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import PlanError
+from ..errors import PlanError
 
 __all__ = ["DEFAULT_PORT", "PortLease", "reserve_port", "port_is_free", "default_lock_dir"]
 

@@ -25,8 +25,8 @@ import secrets
 import time
 from typing import Any, Callable, Iterable
 
-from .plan import JobPlan
-from .spec import JobSpec
+from ..planning import JobPlan
+from ..spec import JobSpec
 
 __all__ = ["PreflightRound", "CHECKS", "TOKEN_PREFIX", "token_dir", "skipped_checks"]
 

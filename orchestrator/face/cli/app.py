@@ -30,8 +30,8 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from . import __version__
-from .errors import OrchError
+from ... import __version__
+from ...errors import OrchError
 
 __all__ = ["main"]
 
@@ -65,9 +65,9 @@ class StoreBackend:
 
     @property
     def store(self) -> Any:
-        from .controller import recover_orphans
-        from .errors import NotFoundError
-        from .store import Store
+        from ...supervision import recover_orphans
+        from ...errors import NotFoundError
+        from ...store import Store
         if self._store is None:
             if not (self.state_dir / "orch.db").is_file():
                 raise NotFoundError(f"No jobs in state dir {self.state_dir} (nothing has run with it yet).")
@@ -76,8 +76,8 @@ class StoreBackend:
         return self._store
 
     def list(self) -> list[dict]:
-        from .errors import NotFoundError
-        from .views import job_summary
+        from ...errors import NotFoundError
+        from ...observe import job_summary
         try:
             store = self.store
         except NotFoundError:
@@ -89,15 +89,15 @@ class StoreBackend:
         return out
 
     def detail(self, job_id: str) -> dict:
-        from .views import job_detail
+        from ...observe import job_detail
         return job_detail(self.store, job_id)
 
     def logs(self, job_id: str, rank: int, attempt: int | None, offset: int) -> dict:
-        from .views import read_log
+        from ...observe import read_log
         return read_log(self.store, job_id, rank, attempt, offset)
 
     def cancel(self, job_id: str) -> dict:
-        from .controller import Controller
+        from ...supervision import Controller
         self.store  # noqa: B018 - fails clearly when there is no store
         c = Controller(self.state_dir)
         try:
@@ -179,7 +179,7 @@ def _backend(args: argparse.Namespace) -> StoreBackend | HttpBackend:
 
 
 def _state_dir(args: argparse.Namespace) -> Path:
-    from .controller import default_state_dir
+    from ...supervision import default_state_dir
     path = Path(args.state_dir).expanduser().resolve() if args.state_dir else default_state_dir().resolve()
     if path.exists() and not path.is_dir():
         raise UsageError(f"State dir {path} is not a directory; give --state-dir (or $ORCH_STATE_DIR) a "
@@ -261,7 +261,7 @@ def _render_detail(detail: dict) -> Group:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from .controller import prepare_plan
+    from ...supervision import prepare_plan
     spec = _load_job(args)
     plan, _lease = prepare_plan(spec, _state_dir(args), f"{spec.name}-plan", hold_port=False)
     if args.output == "json":
@@ -319,8 +319,8 @@ def _follow_embedded(controller: Any, job_id: str, args: argparse.Namespace, sin
     Args:
         since_event: only events after this id are reported (a resume shows only its attempt).
     """
-    from .state import JobState
-    from .views import job_detail
+    from ...store import JobState
+    from ...observe import job_detail
     interrupted = {"n": 0}
 
     def on_signal(sig: int, _frame: Any) -> None:
@@ -365,7 +365,7 @@ def _follow_plain(controller: Any, job_id: str, run: Any, args: argparse.Namespa
     missed); at most every 5 seconds the step and loss of every rank that reports them;
     and every 15 seconds without a reported step, that the ranks are still starting.
     """
-    from .views import job_detail
+    from ...observe import job_detail
     out = _err if args.output == "json" else _console
 
     def say(text: str, at: float | None = None) -> None:
@@ -445,7 +445,7 @@ def _final_words(detail: dict, header: bool = True) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from .controller import Controller
+    from ...supervision import Controller
     spec = _load_job(args)
     controller = Controller(_state_dir(args))
     try:
@@ -475,7 +475,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
         _emit_detail(detail, args, f"Resumed job {detail['id']}: attempt {detail['attempt']} from checkpoint "
                                    f"{start if start != '-' else '(none: from the start)'}")
         return 0
-    from .controller import Controller
+    from ...supervision import Controller
     state_dir = _state_dir(args)
     StoreBackend(state_dir).store  # noqa: B018 - a clear error when there are no jobs at all
     controller = Controller(state_dir)
@@ -610,8 +610,8 @@ def _size(n: int) -> str:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from .errors import ExportError
-    from .export import export_checkpoint
+    from ...errors import ExportError
+    from ...checkpoints import export_checkpoint
     if not args.file:
         raise UsageError("Name the file to write: orch export JOB model.pt (or orch export JOB --output model.pt).")
     detail = _backend(args).detail(args.job)
@@ -677,8 +677,8 @@ def cmd_server(args: argparse.Namespace) -> int:
     import psutil
     import uvicorn
 
-    from .api import create_app
-    from .controller import Controller
+    from ..api import create_app
+    from ...supervision import Controller
     state_dir = _state_dir(args)
     running = _find_server(argparse.Namespace(server=None, state_dir=str(state_dir)))
     if running:
@@ -819,7 +819,7 @@ def _load_job(args: argparse.Namespace) -> Any:
         UsageError: words after a job spec that are not options.
         SpecError: the spec (or the Accelerate config) has problems.
     """
-    from .spec import load_spec, spec_from_dict
+    from ...spec import load_spec, spec_from_dict
     if not args.spec:
         raise UsageError(f"Name the job: orch {args.command} job.yaml, or orch {args.command} --accelerate-config "
                          "accel.yaml train.py [script arguments].")

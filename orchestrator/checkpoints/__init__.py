@@ -1,0 +1,13 @@
+"""Checkpoints on disk: which tags are complete, DeepSpeed's universal conversion, export.
+
+May import: ``orchestrator.errors``. Reads and writes checkpoint directories; runs DeepSpeed's own
+converter as a subprocess.
+"""
+
+from .export import ExportResult, choose_tag, consolidated_state_dict, export_checkpoint
+from .tags import (MARKER, UNIVERSAL_MARKER, UNIVERSAL_SUFFIX, CheckpointInfo, UniversalCheckpoint,
+                   convert_to_universal, inspect_tag, is_universal_dir, latest_complete, needs_universal, scan)
+
+__all__ = ["CheckpointInfo", "inspect_tag", "scan", "latest_complete", "MARKER", "UNIVERSAL_MARKER",
+           "UNIVERSAL_SUFFIX", "UniversalCheckpoint", "is_universal_dir", "needs_universal", "convert_to_universal",
+           "ExportResult", "choose_tag", "consolidated_state_dict", "export_checkpoint"]

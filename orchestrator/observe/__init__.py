@@ -1,0 +1,11 @@
+"""What users see of their jobs: controller metrics, Prometheus targets files, the views the CLI, API
+and dashboard show.
+
+May import: ``orchestrator.errors``, ``orchestrator.store``.
+"""
+
+from .metrics import ControllerMetrics, TargetsWriter, attempt_targets, default_targets_dir
+from .views import job_detail, job_summary, log_path, node_rows, progress_of, rank_rows, read_log
+
+__all__ = ["ControllerMetrics", "TargetsWriter", "attempt_targets", "default_targets_dir", "job_summary",
+           "job_detail", "rank_rows", "node_rows", "read_log", "progress_of", "log_path"]

@@ -1,0 +1,13 @@
+"""What users write: the job spec, the DeepSpeed config rules, Accelerate config files (pure).
+
+May import: ``orchestrator.errors``, ``orchestrator.launchers`` (the names of the launchers this
+version runs). Everything else reads the spec; the spec reads nothing that runs a job.
+"""
+
+from .accelerate import AccelerateSettings, job_deepspeed, load_accelerate_config
+from .jobspec import (KNOWN_LAUNCHERS, PROVISIONERS, JobSpec, PreflightOptions, RayOptions, RestartPolicy, SSHOptions,
+                      load_deepspeed_config, load_spec, read_yaml, spec_from_dict)
+
+__all__ = ["JobSpec", "SSHOptions", "RayOptions", "RestartPolicy", "PreflightOptions", "AccelerateSettings",
+           "load_spec", "spec_from_dict", "load_deepspeed_config", "read_yaml", "load_accelerate_config",
+           "job_deepspeed", "PROVISIONERS", "KNOWN_LAUNCHERS"]
