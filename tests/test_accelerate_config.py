@@ -15,7 +15,7 @@ import pytest
 import yaml
 from accelerate_oracle import accelerate_ds_config, accelerate_launch, printless
 
-from orchestrator.spec.accelerate import AccelerateSettings, job_deepspeed, load_accelerate_config
+from orchestrator.spec import AccelerateSettings, job_deepspeed, load_accelerate_config
 from orchestrator.errors import ConfigError, SpecError
 from orchestrator.spec import spec_from_dict
 

@@ -18,6 +18,8 @@ Example::
     launcher = get_launcher(spec.launcher)
     for rank in launcher.ranks(ctx, node_rank):
         env = compose_rank_env(os.environ, launcher.env_defaults(ctx, node_rank), rank.env)
+
+Pure: no processes, files or sockets. May import: ``orchestrator.errors``.
 """
 
 from __future__ import annotations

@@ -4,6 +4,9 @@
 default) runs every node's agent as a subprocess of the controller on this machine;
 ``ssh`` starts each node's agent over SSH (paramiko); ``ray`` places each node's agent as a
 Ray actor pinned to that node.
+
+May import: ``orchestrator.errors``, ``launchers``, ``spec``, ``planning``, and ``agents`` (the agent
+process they start, its message link, the marker sweep).
 """
 
 from __future__ import annotations

@@ -4,10 +4,12 @@ May import: ``orchestrator.errors``, ``orchestrator.launchers`` (the names of th
 version runs). Everything else reads the spec; the spec reads nothing that runs a job.
 """
 
-from .accelerate import AccelerateSettings, job_deepspeed, load_accelerate_config
+from .accelerate import AccelerateSettings, load_accelerate_config
+from .files import read_yaml
+from .job_deepspeed import JobDeepSpeed, job_deepspeed
 from .jobspec import (KNOWN_LAUNCHERS, PROVISIONERS, JobSpec, PreflightOptions, RayOptions, RestartPolicy, SSHOptions,
-                      load_deepspeed_config, load_spec, read_yaml, spec_from_dict)
+                      load_deepspeed_config, load_spec, spec_from_dict)
 
 __all__ = ["JobSpec", "SSHOptions", "RayOptions", "RestartPolicy", "PreflightOptions", "AccelerateSettings",
            "load_spec", "spec_from_dict", "load_deepspeed_config", "read_yaml", "load_accelerate_config",
-           "job_deepspeed", "PROVISIONERS", "KNOWN_LAUNCHERS"]
+           "job_deepspeed", "JobDeepSpeed", "PROVISIONERS", "KNOWN_LAUNCHERS"]

@@ -31,12 +31,12 @@ from typing import Any, Literal, Mapping
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .dsconfig import (SETTING_KEYS, DeepSpeedSettings, ResolvedConfig, RunFacts, hidden_size_from_model_config,
-                       plugin_config, resolve)
 from ..errors import ConfigError
+from .dsconfig import SETTING_KEYS, DeepSpeedSettings
+from .files import line_of, read_yaml
 
 __all__ = ["AccelerateSettings", "AccelerateConfig", "load_accelerate_config", "read_for_spec",
-           "job_deepspeed", "JobDeepSpeed", "DEEPSPEED_SECTION_KEYS", "AMBIGUOUS_KEYS"]
+           "DEEPSPEED_SECTION_KEYS", "AMBIGUOUS_KEYS"]
 
 #: Keys Accelerate ignores when a DeepSpeed config file is used, and refuses to see beside one
 #: (``DeepSpeedPlugin._deepspeed_config_checks``: ``env_variable_names_to_ignore``), with the
@@ -417,7 +417,6 @@ def _key_path(e: Any) -> tuple:
 
 
 def _yaml_problems(err: ValidationError, tree: yaml.Node | None) -> list[tuple[str, str, int | None]]:
-    from .jobspec import _line_of  # the spec's YAML line finder (spec imports this module lazily)
     out, seen = [], set()
     for e in err.errors():
         loc = _key_path(e)
@@ -436,7 +435,7 @@ def _yaml_problems(err: ValidationError, tree: yaml.Node | None) -> list[tuple[s
             msg = e["msg"].removeprefix("Value error, ")
             if "input" in e and not isinstance(e["input"], (dict, list)):
                 msg = f"{msg}; got {e['input']!r}"
-        out.append((path, msg, _line_of(tree, loc)))
+        out.append((path, msg, line_of(tree, loc)))
     return out
 
 
@@ -444,7 +443,6 @@ def _read(source: str | Mapping[str, Any], base_dir: str | Path) -> tuple[Accele
                                                                            list[tuple[str, str, int | None]]]:
     """Read and validate; ``(config or None, problems with lines)``. Raises ConfigError for a
     file that cannot be read or is not YAML."""
-    from .jobspec import _line_of, read_yaml
     tree = None
     if isinstance(source, Mapping):
         data, name, base = dict(source), "<inline>", Path(base_dir).resolve()
@@ -462,7 +460,7 @@ def _read(source: str | Mapping[str, Any], base_dir: str | Path) -> tuple[Accele
         return None, _yaml_problems(err, tree)
     section = data.get("deepspeed_config") or {}
     cfg = AccelerateConfig(name, str(base), data, dict(section), parsed)
-    return cfg, [(k, m, _line_of(tree, tuple(k.split(".")))) for k, m in cfg.problems()]
+    return cfg, [(k, m, line_of(tree, tuple(k.split(".")))) for k, m in cfg.problems()]
 
 
 def _raise(source: str, problems: list[tuple[str, str, int | None]]) -> None:
@@ -536,105 +534,9 @@ def _section_lines(cfg: AccelerateConfig) -> dict[str, int]:
     """``{key path: line}`` for the file's top-level keys and its deepspeed_config section."""
     if cfg.source == "<inline>":
         return {}
-    from .jobspec import _line_of, read_yaml
     try:
         tree, _ = read_yaml(Path(cfg.source), "Accelerate config", ConfigError)
     except ConfigError:
         return {}
     keys = [k for k in cfg.data] + [f"deepspeed_config.{k}" for k in cfg.deepspeed]
-    return {k: _line_of(tree, tuple(k.split("."))) for k in keys}
-
-
-# -- what the controller needs for a plan ---------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class JobDeepSpeed:
-    """A job's DeepSpeed config and Accelerate environment, ready for the planner.
-
-    Attributes:
-        config: the resolved DeepSpeed config ({} when the job has none).
-        warnings: notes on the Accelerate config and the resolution.
-        accelerate: the job's Accelerate config, or None.
-        flags: the spec's ``accelerate`` section.
-        from_file: the DeepSpeed config is a file (the script gets ``ACCELERATE_DEEPSPEED_CONFIG_FILE``).
-        workdir, pythonpath: for :meth:`env`.
-        spec_env: names the spec's ``env`` sets: those win over the ``ACCELERATE_*`` variables
-            (``PYTHONPATH`` is built from the spec's instead).
-    """
-
-    config: dict
-    warnings: tuple[str, ...] = ()
-    accelerate: AccelerateConfig | None = None
-    flags: AccelerateSettings | None = None
-    from_file: bool = False
-    workdir: str = "."
-    pythonpath: str | None = None
-    spec_env: frozenset[str] = frozenset()
-
-    def env(self, config_path: str) -> dict[str, str]:
-        """The ``ACCELERATE_*`` variables (and ``PYTHONPATH``) of every rank; {} without Accelerate.
-
-        Args:
-            config_path: where the resolved config is written for the ranks.
-        """
-        if self.accelerate is None:
-            return {}
-        env = self.accelerate.launch_env(self.flags, config_file=config_path if self.from_file else None,
-                                         workdir=self.workdir, pythonpath=self.pythonpath)
-        return {k: v for k, v in env.items() if k == "PYTHONPATH" or k not in self.spec_env}
-
-    def env_defaults(self) -> dict[str, str]:
-        """Set where a node lacks them: ``PYTORCH_NVML_BASED_CUDA_CHECK=1``, which ``accelerate
-        launch`` has in its environment after importing DeepSpeed (``deepspeed/__init__.py``
-        ``os.environ.setdefault``) and passes on to torchrun's workers."""
-        return {"PYTORCH_NVML_BASED_CUDA_CHECK": "1"} if self.accelerate is not None else {}
-
-
-def job_deepspeed(spec: Any, slots_per_node: list[int] | tuple[int, ...],
-                  controller_env: Mapping[str, str]) -> JobDeepSpeed:
-    """Read a spec's DeepSpeed and Accelerate configs and resolve the DeepSpeed config for a world.
-
-    Args:
-        spec: the validated :class:`~orchestrator.spec.JobSpec`.
-        slots_per_node: ranks per node, in node order (the planned pool's).
-        controller_env: the controller's environment (``PYTHONPATH`` for the ranks).
-
-    Returns:
-        The :class:`JobDeepSpeed`.
-
-    Raises:
-        ConfigError: a config cannot be read or resolved (every problem listed).
-        SpecError: the DeepSpeed config file is missing or not JSON.
-    """
-    from .jobspec import load_deepspeed_config
-    user = load_deepspeed_config(spec)
-    acc = None
-    if spec.accelerate_config is not None:
-        base = spec.workdir if isinstance(spec.accelerate_config, Mapping) else "."
-        acc = load_accelerate_config(spec.accelerate_config, base,
-                                     config_file=spec.deepspeed_config if isinstance(spec.deepspeed_config, str)
-                                     else ("<inline>" if spec.deepspeed_config is not None else None))
-    if acc is None and not user:
-        return JobDeepSpeed({})
-    hidden, source = spec.hidden_size, "hidden_size"
-    if hidden is None and spec.model_config_path:
-        hidden, source = (hidden_size_from_model_config(spec.model_config_path),
-                          f"model_config {spec.model_config_path}")
-    run = RunFacts(world_size=sum(slots_per_node), slots_per_node=tuple(slots_per_node),
-                   micro_batch_size=spec.micro_batch_size, hidden_size=hidden, hidden_size_source=source)
-    where = spec.deepspeed_config if isinstance(spec.deepspeed_config, str) else "(inline in the job spec)"
-    if acc is None:
-        resolved = resolve(user, DeepSpeedSettings(), run, accelerate=False, source=f"DeepSpeed config {where}")
-        return JobDeepSpeed(resolved.config, resolved.warnings)
-    settings = acc.settings(spec.accelerate)
-    from_file = spec.deepspeed_config is not None
-    base_config = user if from_file else plugin_config(settings)
-    what = f"DeepSpeed config {where}" if from_file else \
-        f"DeepSpeed config built from Accelerate config {acc.source}"
-    resolved: ResolvedConfig = resolve(base_config, settings, run, accelerate=True, from_file=from_file,
-                                       source=what)
-    pythonpath = spec.env.get("PYTHONPATH", controller_env.get("PYTHONPATH"))
-    return JobDeepSpeed(resolved.config, tuple(acc.notes()) + resolved.warnings, acc, spec.accelerate, from_file,
-                        spec.workdir, pythonpath, frozenset(spec.env))
-
+    return {k: line_of(tree, tuple(k.split("."))) for k in keys}

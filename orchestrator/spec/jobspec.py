@@ -9,7 +9,6 @@ stored absolute, so a stored spec means the same thing wherever it is read.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -19,13 +18,15 @@ from typing import Annotated, Any, Literal, Mapping
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .accelerate import AccelerateSettings
-from ..errors import SpecError
+from ..errors import OrchError, SpecError
+from ..launchers import get_launcher
+from .accelerate import AccelerateSettings, read_for_spec
+from .files import line_of, read_deepspeed_config, read_yaml
 
 __all__ = ["JobSpec", "SSHOptions", "RayOptions", "load_spec", "spec_from_dict", "load_deepspeed_config", "PROVISIONERS",
            "KNOWN_LAUNCHERS", "PreflightOptions"]
 
-#: Provisioners a spec may name. Only ``local`` is available in this version.
+#: Provisioners a spec may name (each is implemented in ``orchestrator.provisioners``).
 PROVISIONERS = ("local", "ssh", "ray")
 #: DeepSpeed's multinode launchers (deepspeed.launcher.constants + Accelerate's ``standard``
 #: and ``nossh``); which of them orch can run is decided by ``orchestrator.launchers``.
@@ -267,27 +268,6 @@ def _loc_to_path(loc: tuple) -> str:
     return out or "(spec)"
 
 
-def _line_of(node: yaml.Node | None, loc: tuple) -> int | None:
-    """1-based line of the YAML node at ``loc`` (or of its closest parent)."""
-    if node is None:
-        return None
-    line = node.start_mark.line + 1
-    for part in loc:
-        if isinstance(node, yaml.MappingNode):
-            for k, v in node.value:
-                if k.value == part:
-                    node, line = v, k.start_mark.line + 1
-                    break
-            else:
-                return line
-        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) and part < len(node.value):
-            node = node.value[part]
-            line = node.start_mark.line + 1
-        else:
-            return line
-    return line
-
-
 def _section_model(loc: tuple) -> type[BaseModel]:
     """The pydantic model of the spec section at ``loc`` (``("restart",)`` -> RestartPolicy);
     JobSpec itself for the top level or anything that is not a section."""
@@ -330,7 +310,7 @@ def _problems_from(err: ValidationError, tree: yaml.Node | None) -> list[tuple[s
                    f"\"{str(e['input']).lower()}\") so it stays text")
         elif "input" in e and e["type"] not in ("value_error",) and not isinstance(e["input"], (dict, list)):
             msg = f"{msg}; got {e['input']!r}"
-        problems.append((_loc_to_path(loc), msg, _line_of(tree, loc)))
+        problems.append((_loc_to_path(loc), msg, line_of(tree, loc)))
     # union types report one error per member; keep the first per path
     seen, unique = set(), []
     for p in problems:
@@ -382,9 +362,8 @@ def spec_from_dict(data: Any, base_dir: str | Path = ".", source: str = "<spec>"
         _raise([("(spec)", f"expected a mapping of fields (name: ..., entrypoint: ...); got {type(data).__name__}", None)], source)
     accelerate_problems: list[tuple[str, str]] = []
     if data.get("accelerate_config") is not None:  # its keys become the spec's where the spec is silent
-        from .accelerate import read_for_spec
         data, accelerate_problems = read_for_spec(dict(data), base_dir)
-    accelerate_lines = [(p, m, _line_of(_tree, ("accelerate_config",))) for p, m in accelerate_problems]
+    accelerate_lines = [(p, m, line_of(_tree, ("accelerate_config",))) for p, m in accelerate_problems]
     try:
         spec = JobSpec.model_validate(dict(data))
     except ValidationError as err:
@@ -407,22 +386,17 @@ def spec_from_dict(data: Any, base_dir: str | Path = ".", source: str = "<spec>"
     if check_files:
         problems += _file_problems(spec)
     if problems or accelerate_lines:
-        _raise([(p, m, _line_of(_tree, (p,))) for p, m in problems] + accelerate_lines, source)
+        _raise([(p, m, line_of(_tree, (p,))) for p, m in problems] + accelerate_lines, source)
     return spec
 
 
 def _support_problems(spec: JobSpec) -> list[tuple[str, str]]:
     """What this version of orch cannot run, as problems of the spec."""
-    from ..errors import OrchError
-    from ..launchers import get_launcher
-    from ..provisioners import get_provisioner
-    problems = []
-    for name, check in (("launcher", get_launcher), ("provisioner", get_provisioner)):
-        try:
-            check(getattr(spec, name))
-        except OrchError as err:
-            problems.append((name, str(err)))
-    return problems
+    try:
+        get_launcher(spec.launcher)
+    except OrchError as err:
+        return [("launcher", str(err))]
+    return []
 
 
 def _file_problems(spec: JobSpec) -> list[tuple[str, str]]:
@@ -466,72 +440,7 @@ def load_deepspeed_config(spec: JobSpec) -> dict:
         SpecError: the file is missing, unreadable, not JSON (line and column named), or
             not a JSON object.
     """
-    cfg = spec.deepspeed_config
-    if cfg is None:
-        return {}
-    if isinstance(cfg, dict):
-        return dict(cfg)
-    try:
-        text = Path(cfg).read_text(encoding="utf-8")
-    except OSError as err:
-        raise SpecError(f"cannot read DeepSpeed config {cfg}: {err.strerror}") from err
-    except UnicodeDecodeError as err:
-        raise SpecError(f"DeepSpeed config {cfg} is not UTF-8 text (bad byte at offset {err.start}); expected "
-                        "a JSON file") from err
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise SpecError(f"DeepSpeed config {cfg} is not valid JSON: {err.msg} at line {err.lineno}, "
-                        f"column {err.colno}") from err
-    if not isinstance(value, dict):
-        raise SpecError(f"DeepSpeed config {cfg} must be a JSON object; got {type(value).__name__}")
-    return value
-
-
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """YAML's safe loader, except that a key given twice in one mapping is an error
-    (plain YAML loaders silently keep the last one)."""
-
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
-        seen: dict[Any, int] = {}
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=deep)
-            if key in seen:
-                raise yaml.constructor.ConstructorError(
-                    None, None, f"key {key!r} appears twice (first on line {seen[key]})", key_node.start_mark)
-            seen[key] = key_node.start_mark.line + 1
-        return super().construct_mapping(node, deep)
-
-
-_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _UniqueKeyLoader.construct_mapping)
-
-
-def read_yaml(p: Path, what: str, error: type[SpecError] = SpecError) -> tuple[Any, Any]:
-    """Read a YAML file for error messages with lines: ``(node tree, data)``; an empty file is ``{}``.
-
-    Duplicate keys are refused (:class:`_UniqueKeyLoader`).
-
-    Raises:
-        ``error`` (a SpecError): the file is missing, unreadable, or not YAML (line and column named).
-    """
-    try:
-        text = p.read_text(encoding="utf-8")
-    except FileNotFoundError as err:
-        raise error(f"{what[0].upper() + what[1:]} {p} does not exist.", path=str(p)) from err
-    except OSError as err:
-        raise error(f"Cannot read {what} {p}: {err.strerror}.", path=str(p)) from err
-    except UnicodeDecodeError as err:
-        raise error(f"{what[0].upper() + what[1:]} {p} is not UTF-8 text (bad byte at offset {err.start}); "
-                    "expected a YAML file.", path=str(p)) from err
-    try:
-        tree = yaml.compose(text, Loader=_UniqueKeyLoader)
-        data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(err, "problem", None) or str(err)
-        raise error(f"{what[0].upper() + what[1:]} {p} is not valid YAML{where}: {problem}.", path=str(p)) from err
-    return tree, ({} if data is None else data)
+    return read_deepspeed_config(spec.deepspeed_config)
 
 
 def load_spec(path: str | os.PathLike, overrides: Mapping[str, Any] | None = None,

@@ -43,7 +43,7 @@ from ..launchers.deepspeed import ACCELERATOR_EXPORT_PREFIXES, deepspeed_env_fil
 from ..observe import ControllerMetrics, TargetsWriter, attempt_targets, default_targets_dir
 from ..planning import JobPlan, PlanInputs, ResourcePool, load_hostfile, make_plan, resolve_pool
 from ..provisioners import AgentHandle, Provisioner, get_provisioner
-from ..spec import JobSpec, spec_from_dict
+from ..spec import JobSpec, job_deepspeed, spec_from_dict
 from ..store import JobRecord, JobState, Store
 from .ports import PortLease, default_lock_dir, reserve_port
 from .preflight import PreflightRound
@@ -123,7 +123,6 @@ def prepare_plan(spec: JobSpec, state_dir: str | Path, job_id: str, *, attempt: 
     provisioner.check(pool)
     if attempt == 1:  # a restart that has just used the spare must still run
         _check_restart_policy(spec, provisioner, pool)
-    from ..spec import job_deepspeed
     job_ds = job_deepspeed(spec, [len(slots) for _, slots in pool.nodes], os.environ)  # resolved for this world
     master_addr = spec.master_addr or provisioner.master_addr(pool.hosts[0])
     lease = reserve_port(default_lock_dir(), spec.master_port, master_addr,

@@ -1,0 +1,106 @@
+"""The job's DeepSpeed config, ready for the planner: the spec's own config (a file or a mapping) or one
+built from its Accelerate config, every ``"auto"`` resolved for the planned world (:mod:`.dsconfig`),
+with the ``ACCELERATE_*`` environment ``accelerate launch`` would give the ranks (:mod:`.accelerate`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from .accelerate import AccelerateConfig, AccelerateSettings, load_accelerate_config
+from .dsconfig import DeepSpeedSettings, ResolvedConfig, RunFacts, hidden_size_from_model_config, plugin_config, resolve
+from .files import read_deepspeed_config
+
+__all__ = ["JobDeepSpeed", "job_deepspeed"]
+
+
+@dataclass(frozen=True)
+class JobDeepSpeed:
+    """A job's DeepSpeed config and Accelerate environment, ready for the planner.
+
+    Attributes:
+        config: the resolved DeepSpeed config ({} when the job has none).
+        warnings: notes on the Accelerate config and the resolution.
+        accelerate: the job's Accelerate config, or None.
+        flags: the spec's ``accelerate`` section.
+        from_file: the DeepSpeed config is a file (the script gets ``ACCELERATE_DEEPSPEED_CONFIG_FILE``).
+        workdir, pythonpath: for :meth:`env`.
+        spec_env: names the spec's ``env`` sets: those win over the ``ACCELERATE_*`` variables
+            (``PYTHONPATH`` is built from the spec's instead).
+    """
+
+    config: dict
+    warnings: tuple[str, ...] = ()
+    accelerate: AccelerateConfig | None = None
+    flags: AccelerateSettings | None = None
+    from_file: bool = False
+    workdir: str = "."
+    pythonpath: str | None = None
+    spec_env: frozenset[str] = frozenset()
+
+    def env(self, config_path: str) -> dict[str, str]:
+        """The ``ACCELERATE_*`` variables (and ``PYTHONPATH``) of every rank; {} without Accelerate.
+
+        Args:
+            config_path: where the resolved config is written for the ranks.
+        """
+        if self.accelerate is None:
+            return {}
+        env = self.accelerate.launch_env(self.flags, config_file=config_path if self.from_file else None,
+                                         workdir=self.workdir, pythonpath=self.pythonpath)
+        return {k: v for k, v in env.items() if k == "PYTHONPATH" or k not in self.spec_env}
+
+    def env_defaults(self) -> dict[str, str]:
+        """Set where a node lacks them: ``PYTORCH_NVML_BASED_CUDA_CHECK=1``, which ``accelerate
+        launch`` has in its environment after importing DeepSpeed (``deepspeed/__init__.py``
+        ``os.environ.setdefault``) and passes on to torchrun's workers."""
+        return {"PYTORCH_NVML_BASED_CUDA_CHECK": "1"} if self.accelerate is not None else {}
+
+
+def job_deepspeed(spec: Any, slots_per_node: list[int] | tuple[int, ...],
+                  controller_env: Mapping[str, str]) -> JobDeepSpeed:
+    """Read a spec's DeepSpeed and Accelerate configs and resolve the DeepSpeed config for a world.
+
+    Args:
+        spec: the validated :class:`~orchestrator.spec.JobSpec`.
+        slots_per_node: ranks per node, in node order (the planned pool's).
+        controller_env: the controller's environment (``PYTHONPATH`` for the ranks).
+
+    Returns:
+        The :class:`JobDeepSpeed`.
+
+    Raises:
+        ConfigError: a config cannot be read or resolved (every problem listed).
+        SpecError: the DeepSpeed config file is missing or not JSON.
+    """
+    user = read_deepspeed_config(spec.deepspeed_config)
+    acc = None
+    if spec.accelerate_config is not None:
+        base = spec.workdir if isinstance(spec.accelerate_config, Mapping) else "."
+        acc = load_accelerate_config(spec.accelerate_config, base,
+                                     config_file=spec.deepspeed_config if isinstance(spec.deepspeed_config, str)
+                                     else ("<inline>" if spec.deepspeed_config is not None else None))
+    if acc is None and not user:
+        return JobDeepSpeed({})
+    hidden, source = spec.hidden_size, "hidden_size"
+    if hidden is None and spec.model_config_path:
+        hidden, source = (hidden_size_from_model_config(spec.model_config_path),
+                          f"model_config {spec.model_config_path}")
+    run = RunFacts(world_size=sum(slots_per_node), slots_per_node=tuple(slots_per_node),
+                   micro_batch_size=spec.micro_batch_size, hidden_size=hidden, hidden_size_source=source)
+    where = spec.deepspeed_config if isinstance(spec.deepspeed_config, str) else "(inline in the job spec)"
+    if acc is None:
+        resolved = resolve(user, DeepSpeedSettings(), run, accelerate=False, source=f"DeepSpeed config {where}")
+        return JobDeepSpeed(resolved.config, resolved.warnings)
+    settings = acc.settings(spec.accelerate)
+    from_file = spec.deepspeed_config is not None
+    base_config = user if from_file else plugin_config(settings)
+    what = f"DeepSpeed config {where}" if from_file else \
+        f"DeepSpeed config built from Accelerate config {acc.source}"
+    resolved: ResolvedConfig = resolve(base_config, settings, run, accelerate=True, from_file=from_file,
+                                       source=what)
+    pythonpath = spec.env.get("PYTHONPATH", controller_env.get("PYTHONPATH"))
+    return JobDeepSpeed(resolved.config, tuple(acc.notes()) + resolved.warnings, acc, spec.accelerate, from_file,
+                        spec.workdir, pythonpath, frozenset(spec.env))
+
