@@ -561,8 +561,7 @@ def test_orch_plan_of_a_spec_with_options_after_it(project, orch) -> None:
 def test_the_plan_gives_every_rank_the_accelerate_environment(project) -> None:
     import collections
 
-    from orchestrator.planning import resolve_pool
-    from orchestrator.planning import PlanInputs, make_plan
+    from orchestrator.planning import PlanInputs, make_plan, resolve_pool
     accel = _write(project, "accel.yaml", EX_ZERO2)
     spec = _spec(project, accel, micro_batch_size=2, env={"ACCELERATE_GRADIENT_CLIPPING": "0.5", "PYTHONPATH": "/mine",
                                                           "PYTORCH_NVML_BASED_CUDA_CHECK": "0"})

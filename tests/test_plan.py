@@ -7,8 +7,7 @@ import collections
 import pytest
 
 from orchestrator.errors import LaunchError, PlanError, SpecError
-from orchestrator.planning import ResourcePool, resolve_pool
-from orchestrator.planning import PlanInputs, make_plan
+from orchestrator.planning import PlanInputs, ResourcePool, make_plan, resolve_pool
 from orchestrator.spec import spec_from_dict
 
 

@@ -28,8 +28,7 @@ from conftest import ROOT, assert_no_leftovers, running_server, wait_for
 from orchestrator.checkpoints import (MARKER, UNIVERSAL_MARKER, convert_to_universal, inspect_tag, latest_complete,
                                       needs_universal, scan)
 from orchestrator.errors import CheckpointError
-from orchestrator.planning import resolve_pool
-from orchestrator.planning import PlanInputs, make_plan
+from orchestrator.planning import PlanInputs, make_plan, resolve_pool
 from orchestrator.spec import spec_from_dict
 from orchestrator.store import Store
 

@@ -5,8 +5,9 @@ reading a hostfile; no processes, sockets or locks (the controller gathers those
 ``orchestrator.supervision.prepare``).
 """
 
-from .hostfile import Hostfile, ResourcePool, load_hostfile, parse_filter, parse_hostfile, resolve_pool
+from .hostfile import Hostfile, load_hostfile, parse_hostfile
 from .plan import JobPlan, NodePlan, PlanInputs, RankPlan, make_plan, orch_env
+from .pool import ResourcePool, parse_filter, resolve_pool
 
 __all__ = ["Hostfile", "ResourcePool", "load_hostfile", "parse_hostfile", "parse_filter", "resolve_pool",
            "PlanInputs", "RankPlan", "NodePlan", "JobPlan", "make_plan", "orch_env"]

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
 from ..errors import PlanError
-from .hostfile import ResourcePool
+from .pool import ResourcePool
 from ..launchers import get_launcher
 from ..launchers.base import LaunchContext, RealCommand
 from ..launchers.deepspeed import pdsh_exports
