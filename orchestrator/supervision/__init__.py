@@ -1,11 +1,20 @@
 """Running jobs: the controller (submit, cancel, resume, restart policy, orphans) and the supervision of
 one attempt (provisioning, preflight, messages, watches, teardown).
 
-May import: every package above it (``errors``, ``launchers``, ``spec``, ``planning``, ``checkpoints``,
+May import: every package before it (``errors``, ``launchers``, ``spec``, ``planning``, ``checkpoints``,
 ``store``, ``observe``, ``provisioners``) and ``agents``; nothing of ``orchestrator.face``.
+
+Modules, in the order a job meets them: :mod:`.controller` (jobs), :mod:`.prepare` (the I/O part of
+planning an attempt), :mod:`.ports` (master ports), :mod:`.attempt` (one attempt's lifecycle and its
+message table), :mod:`.provisioning`, :mod:`.preflight`, :mod:`.watches` (node silence, hangs),
+:mod:`.teardown`, :mod:`.restarts` (the restart policy), :mod:`.resume` (where a resume starts),
+:mod:`.orphans` (jobs whose controller died), :mod:`.settings` (deadlines).
 """
 
-from .controller import AttemptRun, Controller, default_state_dir, new_job_id, prepare_plan, rank_log_tail, recover_orphans
+from .attempt import AttemptRun, rank_log_tail
+from .controller import Controller, default_state_dir, new_job_id
+from .orphans import recover_orphans
+from .prepare import prepare_plan
 
 __all__ = ["Controller", "AttemptRun", "prepare_plan", "recover_orphans", "default_state_dir", "new_job_id",
            "rank_log_tail"]

@@ -1,0 +1,490 @@
+"""One attempt of one job, supervised on its own thread.
+
+The lifecycle, in :class:`AttemptRun`:
+
+1. provisioning (:mod:`.provisioning`): one agent per node, every hello awaited;
+2. the preflight round (:class:`~.preflight.PreflightRound`), unless the spec turns it off;
+3. ``start``: every node gets its plan and starts its ranks;
+4. one turn per agent message, each handled by one small handler of :data:`AttemptRun.HANDLERS`
+   (``started`` on every node -> RUNNING; a rank's non-zero exit, a spawn failure, an agent's link
+   closing early -> FAILED with a cause; every rank exiting 0 -> SUCCEEDED), then the watches:
+   node silence (:class:`~.watches.HeartbeatWatch`), hangs (:class:`~.watches.ProgressWatch`),
+   the preflight's deadline, a cancel request, the agents' lease;
+5. teardown (:class:`~.teardown.Teardown`), whatever happened: every agent stops its ranks (SIGTERM,
+   grace, SIGKILL), agents that do not go are killed, any process still marked with the attempt's id
+   is swept, the master port is released and ``stopped_at`` recorded.
+
+Reaching FAILED does not wait for teardown, so the time to detect a failure is not hidden behind
+the grace period; :meth:`~orchestrator.supervision.Controller.wait` waits for both. The state of the
+job is changed only here, by the attempt's own thread (a cancel is a flag that thread reads).
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import shutil
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import OrchError
+from ..observe import ControllerMetrics, TargetsWriter, attempt_targets
+from ..planning import JobPlan
+from ..provisioners import AgentHandle, Provisioner
+from ..spec import JobSpec
+from ..store import JobState, Store
+from .ports import PortLease
+from .preflight import PreflightRound
+from .prepare import rank_python
+from .provisioning import await_hellos, provision_failure, start_agents
+from .settings import Timings
+from .teardown import Teardown, root_cause
+from .watches import ENDED, HeartbeatWatch, ProgressWatch
+
+__all__ = ["AttemptRun", "AttemptServices", "rank_log_tail"]
+
+
+@dataclass(frozen=True)
+class AttemptServices:
+    """What an attempt uses of its controller.
+
+    Attributes:
+        store: where the job's state, events and progress are recorded.
+        metrics: the controller's Prometheus metrics.
+        targets: writes the attempt's Prometheus file_sd file.
+        timings: heartbeats, node timeout, lease, provisioning and preflight deadlines.
+        on_ended: called with the attempt once its processes are gone (the restart policy).
+    """
+
+    store: Store
+    metrics: ControllerMetrics
+    targets: TargetsWriter
+    timings: Timings
+    on_ended: Callable[["AttemptRun"], None]
+
+
+def rank_log_tail(plan: dict, global_rank: int, lines: int = 20) -> list[str]:
+    """The last ``lines`` lines of a rank's log file (empty if it has none yet)."""
+    path = Path(plan["nodes"][0]["log_dir"]) / f"rank-{global_rank}.log"
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - 64 * 1024))
+            data = f.read()
+    except OSError:
+        return []
+    return [ln.decode("utf-8", "replace") for ln in data.splitlines()[-lines:]]
+
+
+class AttemptRun:
+    """Supervises one attempt of one job on its own thread (see the module docstring).
+
+    Args:
+        services: the store, metrics, targets writer, timings and end callback of the controller.
+        spec: the job's spec.
+        plan: this attempt's plan.
+        lease: the master port reservation, released at teardown.
+        provisioner: starts the agents.
+    """
+
+    def __init__(self, services: AttemptServices, spec: JobSpec, plan: JobPlan, lease: PortLease,
+                 provisioner: Provisioner) -> None:
+        self.services = services
+        self.store = services.store
+        self.timings = services.timings
+        self.spec = spec
+        self.plan = plan
+        self.lease = lease
+        self.provisioner = provisioner
+        self.job_id = plan.job_id
+        self.events: "queue.Queue[tuple[int, dict]]" = queue.Queue()
+        self.agents: dict[int, AgentHandle] = {}
+        self.node_state: dict[int, str] = {n.node_rank: "starting" for n in plan.nodes}
+        self.exits: dict[int, int] = {}
+        self.metrics_ports: dict[int, int | None] = {}
+        self.state = JobState.PENDING
+        self.cancel_event = threading.Event()
+        self.cancel_reason = "cancelled by the user"
+        self.done = threading.Event()
+        self.heartbeats = HeartbeatWatch(self.timings.node_timeout_s, self.timings.heartbeat_s)
+        self.progress = ProgressWatch(spec.hang_timeout, plan.run_dir)
+        self._preflight: PreflightRound | None = None  # between every hello and the start
+        self._rank_node = {r.global_rank: n for n, r in plan.ranks()}
+        self._last_ping = 0.0
+        self._failed_at: float | None = None
+        self._tearing_down = False
+        self._targets_written = False
+        self._thread = threading.Thread(target=self._main, name=f"attempt-{plan.attempt_id}", daemon=True)
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start supervising on a new thread."""
+        self._thread.start()
+
+    def cancel(self, reason: str = "cancelled by the user") -> None:
+        """Ask the attempt to stop (from any thread); the attempt's own thread acts on it."""
+        self.cancel_reason = reason
+        self.cancel_event.set()
+
+    def _main(self) -> None:
+        try:
+            self._set(JobState.PROVISIONING)
+            self._provision()
+            while not self.state.is_terminal():
+                self._turn()
+        except Exception as err:  # an orch bug must still leave nothing running
+            self._log(traceback.format_exc())
+            self._fail({"kind": "internal_error", "message": f"orch internal error: {err!r} "
+                        f"(details in {self.plan.run_dir}/controller.log)"})
+        finally:
+            self._teardown()
+
+    def _provision(self) -> None:
+        """Start every node's agent and await every hello; then the preflight round, or the start."""
+        self.agents, failures = start_agents(self.provisioner, self.plan, self.events, self.cancel_event)
+        if not failures and not self.cancel_event.is_set():
+            failures, gone = await_hellos(self.events, self.agents, self.timings.provision_timeout_s,
+                                          self.cancel_event, self._on_hello)
+            self.node_state.update({n: "gone" for n in gone})
+        if self.cancel_event.is_set():
+            return self._finish_cancelled()
+        if failures:
+            return self._fail(provision_failure(failures, self.plan))
+        if self.spec.preflight.enabled:
+            return self._begin_preflight()
+        self._send_start()
+
+    def _send_start(self) -> None:
+        """Send every node its plan: the ranks start."""
+        t = self.timings
+        start_msg = {"type": "start", "attempt_id": self.plan.attempt_id, "grace": self.plan.grace,
+                     "heartbeat_s": t.heartbeat_s, "lease_s": t.agent_lease_s}
+        self.heartbeats.expect(n.node_rank for n in self.plan.nodes)
+        for node in self.plan.nodes:
+            self.agents[node.node_rank].send({**start_msg, "node": node.to_dict()})
+
+    def _turn(self) -> None:
+        """Handle one message (or none within 0.1 s), then look at everything that is timed."""
+        try:
+            node_rank, msg = self.events.get(timeout=0.1)
+        except queue.Empty:
+            node_rank, msg = None, None
+        if msg is not None:
+            self._dispatch(node_rank, msg)
+        if self.cancel_event.is_set() and not self.state.is_terminal():
+            self._finish_cancelled()
+        self._check_heartbeats()
+        self._check_progress()
+        self._check_preflight()
+        self._ping()
+
+    def _dispatch(self, node_rank: int, msg: dict) -> None:
+        """Hand a message to its handler in :data:`HANDLERS` (while tearing down, only to the ones
+        that run then)."""
+        if msg.get("type") != "eof":  # a closed link is not a word from the agent
+            self.heartbeats.heard(node_rank)
+        handler, in_teardown = self.HANDLERS.get(msg.get("type"), (AttemptRun._on_unknown, False))
+        if in_teardown or not self._tearing_down:
+            handler(self, node_rank, msg)
+
+    def _ping(self) -> None:
+        """Renew every agent's lease (agents stop their ranks when the controller falls silent)."""
+        now = time.monotonic()
+        if now - self._last_ping < self.timings.heartbeat_s:
+            return
+        self._last_ping = now
+        for node_rank, handle in self.agents.items():
+            if self.node_state[node_rank] not in ENDED:
+                handle.send({"type": "ping"})
+
+    # -- preflight ----------------------------------------------------------------------------
+
+    def _begin_preflight(self) -> None:
+        """Ask every node to run its checks; heartbeats (and node-loss detection) start now."""
+        t = self.timings
+        self._preflight = PreflightRound(self.spec, self.plan, rank_python(self.spec), timeout_s=t.preflight_timeout_s,
+                                         heartbeat_s=t.heartbeat_s, lease_s=t.agent_lease_s)
+        requests = self._preflight.requests()
+        self.heartbeats.expect(requests)
+        for node_rank, msg in requests.items():
+            self.agents[node_rank].send(msg)
+
+    def _check_preflight(self) -> None:
+        """Fail the attempt when nodes are still checking past the preflight timeout."""
+        pf = self._preflight
+        if pf is not None and pf.phase != "done" and not self.state.is_terminal() and pf.overdue():
+            self._finish_preflight()
+
+    def _finish_preflight(self) -> None:
+        """Record every node's results (event ``preflight``); then fail or start the ranks."""
+        assert self._preflight is not None
+        event, cause = self._preflight.verdict()
+        self._preflight.phase = "done"
+        self._event("preflight", event)
+        if cause is not None:
+            return self._fail(cause)
+        self._send_start()
+
+    # -- watches ------------------------------------------------------------------------------
+
+    def _check_heartbeats(self) -> None:
+        """A node whose agent stayed silent past the node timeout is lost."""
+        found = self.heartbeats.check(self.node_state, quiet=not self.state.is_terminal() and self.events.empty())
+        if found is None:
+            return
+        node_rank, silence = found
+        self.node_state[node_rank] = "lost"  # unreachable: teardown will not wait for it
+        self.services.metrics.failure_detected("node_lost", silence)
+        self._fail({"kind": "node_lost", "node": self._host(node_rank), "node_rank": node_rank,
+                    "message": f"node lost: no heartbeat from the agent on {self._host(node_rank)} "
+                               f"(node {node_rank}) for {silence:.1f} s"})
+
+    def _check_progress(self) -> None:
+        """Hang detection: a stalled rank has every running node dump its ranks' stacks, then the
+        attempt fails with ``no_progress`` (:class:`~.watches.ProgressWatch`)."""
+        if self.state != JobState.RUNNING:
+            return
+        cause = self.progress.due()
+        if cause is not None:
+            return self._fail(cause)
+        cause = self.progress.stalled(self.exits)
+        if cause is None:
+            return
+        running = {n for n, st in self.node_state.items() if st == "running"}
+        for node_rank in running:
+            self.agents[node_rank].send({"type": "dump"})
+        self._event("hang_detected", {"ranks": cause["ranks"], "steps": cause["steps"]})
+        self.progress.await_stacks(cause, running)
+
+    # -- message handlers (one per message type; the table is HANDLERS) -----------------------
+
+    def _on_hello(self, node_rank: int, msg: dict) -> None:
+        self.node_state[node_rank] = "up"
+        self._event("agent_up", {"node_rank": node_rank, "host": self._host(node_rank), "pid": msg.get("pid")})
+
+    def _on_preflight_result(self, node_rank: int, msg: dict) -> None:
+        pf = self._preflight
+        if pf is None or pf.phase == "done" or self.state.is_terminal():
+            return
+        pf.record(node_rank, msg)
+        if not pf.phase_complete():
+            return
+        if pf.phase == "check":
+            for n, request in pf.list_requests().items():
+                self.agents[n].send(request)
+            if pf.phase == "list":
+                return
+        self._finish_preflight()
+
+    def _on_started(self, node_rank: int, msg: dict) -> None:
+        self.node_state[node_rank] = "running"
+        self.metrics_ports[node_rank] = msg.get("metrics_port")
+        self._event("ranks_started", {"node_rank": node_rank, "host": self._host(node_rank),
+                                      "ranks": msg.get("ranks", []), "metrics_port": msg.get("metrics_port")})
+        if self.state == JobState.PROVISIONING and all(s in ("running", "done") for s in self.node_state.values()):
+            self._set(JobState.RUNNING)
+            attempt = self.store.get_attempt(self.job_id, self.plan.attempt)
+            self.services.metrics.running((attempt.running_at or 0) - attempt.created_at)
+            self._write_targets()
+            self.progress.watch(r.global_rank for _, r in self.plan.ranks())
+
+    def _on_progress(self, node_rank: int, msg: dict) -> None:
+        rows = [(int(rank), p) for rank, points in (msg.get("points") or {}).items() if isinstance(points, list)
+                for p in points if isinstance(p, dict) and "step" in p]
+        if rows:
+            self.store.add_progress(self.job_id, self.plan.attempt, rows)
+            self.progress.record(rows)
+
+    def _on_rank_exit(self, node_rank: int, msg: dict) -> None:
+        rank, code = int(msg["global_rank"]), int(msg["returncode"])
+        self.exits[rank] = code
+        self._event("rank_exit", {"global_rank": rank, "node_rank": node_rank, "host": self._host(node_rank),
+                                  "returncode": code, "how": msg.get("how"), "during_teardown": self._tearing_down})
+        if code == 0 or not self._open():
+            return
+        node = self._rank_node[rank]
+        local = next(r.local_rank for r in node.ranks if r.global_rank == rank)
+        if isinstance(msg.get("at"), (int, float)):
+            self.services.metrics.failure_detected("rank_exit", time.time() - msg["at"])
+        self._fail({"kind": "rank_exit", "global_rank": rank, "local_rank": local, "node": node.host,
+                    "node_rank": node.node_rank, "returncode": code,
+                    "message": f"rank {rank} (local rank {local}) on {node.host} (node {node.node_rank}) "
+                               f"exited with {msg.get('how') or code}",
+                    "log_tail": rank_log_tail(self.plan.to_dict(), rank)})
+
+    def _on_done(self, node_rank: int, msg: dict) -> None:
+        self.node_state[node_rank] = "done"
+        every_rank_ok = len(self.exits) == self.plan.world_size and all(c == 0 for c in self.exits.values())
+        if all(s == "done" for s in self.node_state.values()) and every_rank_ok and self._open():
+            self._set(JobState.SUCCEEDED)
+
+    def _on_stopped(self, node_rank: int, msg: dict) -> None:
+        self.node_state[node_rank] = "stopped"
+
+    def _on_stopping(self, node_rank: int, msg: dict) -> None:
+        self._fail({"kind": "agent_stopped", "node": self._host(node_rank), "node_rank": node_rank,
+                    "message": f"the agent on {self._host(node_rank)} (node {node_rank}) stopped its ranks: "
+                               f"{msg.get('reason')}"})
+
+    def _on_spawn_failed(self, node_rank: int, msg: dict) -> None:
+        self._fail({"kind": "spawn_failed", "node": self._host(node_rank), "node_rank": node_rank,
+                    "global_rank": msg.get("global_rank"),
+                    "message": f"rank {msg.get('global_rank')} on {self._host(node_rank)} (node {node_rank}) "
+                               f"could not be started: {msg.get('error')}"})
+
+    def _on_error(self, node_rank: int, msg: dict) -> None:
+        self._fail({"kind": "agent_error", "node": self._host(node_rank), "node_rank": node_rank,
+                    "message": f"the agent on {self._host(node_rank)} (node {node_rank}) failed: {msg.get('message')}"})
+
+    def _on_eof(self, node_rank: int, msg: dict) -> None:
+        if self.node_state.get(node_rank) in ("done", "stopped", "lost"):
+            return
+        self.node_state[node_rank] = "gone"
+        if self._open():
+            self.services.metrics.failure_detected("node_lost", 0.0)  # the link closing is the news
+            self._fail({"kind": "node_lost", "node": self._host(node_rank), "node_rank": node_rank,
+                        "message": f"node lost: the agent on {self._host(node_rank)} (node {node_rank}) "
+                                   "went away (its link closed)"})
+
+    def _on_dumped(self, node_rank: int, msg: dict) -> None:
+        self.progress.dumped(node_rank, msg)
+
+    def _on_heartbeat(self, node_rank: int, msg: dict) -> None:
+        if self._preflight is not None and self._preflight.phase != "done":
+            self._preflight.current[node_rank] = msg.get("preflight")  # named if the preflight times out
+
+    def _on_warning(self, node_rank: int, msg: dict) -> None:
+        self._event("warning", {"node_rank": node_rank, "host": self._host(node_rank), "message": msg.get("message")})
+
+    def _on_unknown(self, node_rank: int, msg: dict) -> None:
+        self._event("agent_message", {"node_rank": node_rank, "message": msg})
+
+    #: Agent message type -> (handler, whether it also runs while the attempt is torn down).
+    #: Any other type is recorded as an ``agent_message`` event (not while tearing down).
+    HANDLERS: dict[str, tuple[Callable[["AttemptRun", int, dict], None], bool]] = {
+        "hello": (_on_hello, False),
+        "preflight_result": (_on_preflight_result, False),
+        "started": (_on_started, False),
+        "progress": (_on_progress, True),
+        "rank_exit": (_on_rank_exit, True),
+        "done": (_on_done, True),
+        "stopped": (_on_stopped, True),
+        "stopping": (_on_stopping, False),
+        "spawn_failed": (_on_spawn_failed, False),
+        "error": (_on_error, False),
+        "eof": (_on_eof, True),
+        "dumped": (_on_dumped, False),
+        "heartbeat": (_on_heartbeat, False),
+        "warning": (_on_warning, False),
+    }
+
+    # -- state --------------------------------------------------------------------------------
+
+    def _host(self, node_rank: int) -> str:
+        return self.plan.nodes[node_rank].host
+
+    def _open(self) -> bool:
+        """Whether what the agents say can still change the attempt's state."""
+        return not self.state.is_terminal() and not self._tearing_down
+
+    def _event(self, kind: str, data: dict) -> None:
+        self.store.add_event(self.job_id, self.plan.attempt, kind, data)
+
+    def _set(self, state: JobState, cause: dict | None = None) -> None:
+        self.store.set_state(self.job_id, state, cause=cause)
+        self.state = state
+
+    def _fail(self, cause: dict) -> None:
+        if self.state.is_terminal():
+            self._event("later_failure", cause)
+            return
+        self._failed_at = time.monotonic()
+        self._set(JobState.FAILED, cause)
+
+    def _finish_cancelled(self) -> None:
+        if not self.state.is_terminal():
+            self._set(JobState.CANCELLED, {"kind": "cancelled", "message": self.cancel_reason})
+
+    def _log(self, text: str) -> None:
+        os.makedirs(self.plan.run_dir, exist_ok=True)
+        with open(os.path.join(self.plan.run_dir, "controller.log"), "a") as f:
+            f.write(text + "\n")
+
+    def _write_targets(self) -> None:
+        """The attempt's Prometheus file_sd file: every node's exporter (see orchestrator.observe)."""
+        nodes = []
+        for node in self.plan.nodes:
+            port = self.metrics_ports.get(node.node_rank)
+            if port:
+                try:
+                    addr = self.provisioner.master_addr(node.host)
+                except OrchError:
+                    addr = node.host
+                nodes.append((node.host, addr, int(port)))
+        if not nodes:
+            return
+        targets = self.services.targets
+        try:
+            path = targets.write(self.plan.attempt_id, attempt_targets(self.job_id, self.plan.attempt, nodes))
+            self._targets_written = True
+            self._event("metrics_targets", {"path": str(path), "targets": [f"{a}:{p}" for _, a, p in nodes]})
+        except OSError as err:
+            self._event("warning", {"message": f"cannot write the Prometheus targets file in {targets.directory}: "
+                                               f"{err.strerror or err}"})
+
+    # -- teardown -----------------------------------------------------------------------------
+
+    def _drain(self) -> None:
+        """Handle every message waiting (rank exits, nodes stopping) without waiting for more."""
+        while True:
+            try:
+                node_rank, msg = self.events.get_nowait()
+            except queue.Empty:
+                return
+            self._dispatch(node_rank, msg)
+
+    def _teardown(self) -> None:
+        """Stop, kill, sweep (:class:`~.teardown.Teardown`); then release everything and record the end."""
+        self._tearing_down = True
+        try:
+            reason = (self.store.get_job(self.job_id).cause or {}).get("message", "attempt ended")
+            teardown = Teardown(self.agents, self.node_state, self.heartbeats, self.provisioner, self._drain)
+            lost = teardown.stop(reason, self.plan.grace, self._failed_at)
+            self._revise_cause(lost)
+            swept = teardown.finish(self.plan)
+            if swept:
+                self._event("swept", {"pids": swept})
+        except Exception:  # noqa: BLE001 - teardown must finish
+            self._log(traceback.format_exc())
+        finally:
+            self._release()
+
+    def _revise_cause(self, lost: set[int]) -> None:
+        """Name a lost node as the root cause of a rank's failure on another node (:func:`~.teardown.root_cause`)."""
+        if self.state != JobState.FAILED or self._failed_at is None:
+            return
+        cause = self.store.get_job(self.job_id).cause or {}
+        revised = root_cause(cause, lost, self.heartbeats, self._failed_at, {n.node_rank: n.host for n in self.plan.nodes})
+        if revised is not None:
+            self.store.revise_cause(self.job_id, self.plan.attempt, revised)
+
+    def _release(self) -> None:
+        """The targets file, preflight tokens and master port go; the end is recorded; the controller hears."""
+        if self._targets_written:
+            self.services.targets.remove(self.plan.attempt_id)
+        if self._preflight is not None:  # tokens of agents that could not remove their own (where seen)
+            shutil.rmtree(self._preflight.shared_dir, ignore_errors=True)
+        self.lease.release()
+        self.store.mark_stopped(self.job_id, self.plan.attempt)
+        self.store.set_owner(self.job_id, None)
+        try:
+            self.services.on_ended(self)  # before done: whoever waits for the job sees a restart coming
+        except Exception:  # noqa: BLE001 - the attempt must still end
+            self._log(traceback.format_exc())
+        self.done.set()

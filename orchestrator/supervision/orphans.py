@@ -1,0 +1,68 @@
+"""Jobs whose controller died: found by their owner record, failed with cause ``controller_lost``.
+
+A controller records itself (pid, host, process start time, API URL) as the owner of the jobs it
+runs. When that process is gone, the job's agents have stopped its ranks (their link closed, or
+the lease ran out); :func:`recover_orphans` sweeps anything still marked with the attempt and
+records the end, so ``orch resume`` can continue the job.
+"""
+
+from __future__ import annotations
+
+import socket
+from typing import Any
+
+import psutil
+
+from agents.ranks import kill_marked
+
+from ..errors import StateError
+from ..store import JobState, Store
+
+__all__ = ["recover_orphans", "owner_alive"]
+
+
+def recover_orphans(store: Store) -> list[str]:
+    """Fail every job whose controller died while it ran; return their ids.
+
+    A job is orphaned when it is not terminal and the controller recorded as its owner is
+    no longer running on this host. Its local agents stopped their ranks when their link
+    to that controller closed (or when its lease ran out); any process still marked with
+    the attempt's id is killed here. The job becomes FAILED with cause ``controller_lost``,
+    so ``orch resume`` can continue it. Called by ``orch server`` at start and every few
+    seconds, and by CLI commands that work on the state directory without a server.
+    """
+    recovered = []
+    for job in store.active_jobs():
+        if owner_alive(job.owner):
+            continue
+        if job.attempt:
+            kill_marked(f"{job.id}.{job.attempt}")
+        server = (job.owner or {}).get("url")
+        cause = {"kind": "controller_lost", "server": server,
+                 "message": f"the controller running this job ({'orch server at ' + server if server else 'orch run'}) "
+                 "went away; its agents stopped the ranks. Continue from the last checkpoint with: "
+                 f"orch resume {job.id}" + (" (an orch server restarts it if its restart policy says so)"
+                                            if server else "")}
+        try:
+            store.set_state(job.id, JobState.FAILED, cause=cause)
+        except StateError:  # someone else recorded an end meanwhile
+            continue
+        if job.attempt:
+            store.mark_stopped(job.id, job.attempt)
+        store.set_owner(job.id, None)
+        recovered.append(job.id)
+    return recovered
+
+
+def owner_alive(owner: dict[str, Any] | None) -> bool:
+    """True if the controller recorded as ``owner`` still runs (or runs on another host, which
+    cannot be checked from here)."""
+    if not owner:
+        return False
+    if owner.get("host") != socket.gethostname():
+        return True
+    try:
+        proc = psutil.Process(int(owner["pid"]))
+        return abs(proc.create_time() - float(owner.get("create_time", proc.create_time()))) < 1.0
+    except (psutil.NoSuchProcess, psutil.AccessDenied, KeyError, ValueError):
+        return False

@@ -1,0 +1,186 @@
+"""The I/O part of planning an attempt: what the pure planner needs, gathered from the world.
+
+:func:`prepare_plan` reads the hostfile (or asks the provisioner for its nodes), applies the filters
+and orch's own ``exclude_hosts``, checks the nodes can be reached as the provisioner is configured,
+reads the job's DeepSpeed and Accelerate configs and the ``.deepspeed_env`` files DeepSpeed's runner
+reads, reserves the master port, and calls :func:`orchestrator.planning.make_plan`.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from ..errors import FilterError, HostfileError, SpecError
+from ..launchers.deepspeed import ACCELERATOR_EXPORT_PREFIXES, deepspeed_env_files
+from ..planning import JobPlan, PlanInputs, ResourcePool, load_hostfile, make_plan, resolve_pool
+from ..provisioners import Provisioner, get_provisioner
+from ..spec import JobSpec, job_deepspeed
+from .ports import PortLease, default_lock_dir, reserve_port
+
+__all__ = ["prepare_plan", "checkpoint_dir_of", "rank_python"]
+
+
+def checkpoint_dir_of(spec: JobSpec, state_dir: str | Path, job_id: str) -> str:
+    """The job's checkpoint directory: the spec's, else ``<state dir>/jobs/<job id>/checkpoints``."""
+    return spec.checkpoint_dir or str((Path(state_dir) / "jobs" / job_id / "checkpoints").resolve())
+
+
+def _deepspeed_env_lines(workdir: str) -> tuple[str, ...]:
+    """Lines of the ``.deepspeed_env`` files DeepSpeed's runner would read (home, then workdir)."""
+    lines: list[str] = []
+    for path in deepspeed_env_files(os.environ, os.path.expanduser("~"), workdir):
+        if os.path.isfile(path):
+            with open(path) as f:
+                lines += f.readlines()
+    return tuple(lines)
+
+
+def _accelerator_exports() -> tuple[str, ...]:
+    """``get_accelerator().export_envs()`` without importing DeepSpeed: by ``DS_ACCELERATOR``,
+    else CUDA when an NVIDIA device is present, else CPU."""
+    name = os.environ.get("DS_ACCELERATOR") or ("cuda" if os.path.exists("/dev/nvidiactl") else "cpu")
+    return tuple(ACCELERATOR_EXPORT_PREFIXES.get(name, ()))
+
+
+def rank_python(spec: JobSpec) -> str:
+    """The ranks' interpreter as an absolute path (the real launchers run their resolved one)."""
+    if not spec.python:
+        return sys.executable
+    return shutil.which(spec.python) or spec.python
+
+
+def prepare_plan(spec: JobSpec, state_dir: str | Path, job_id: str, *, attempt: int = 1,
+                 resume_tag: str | None = None, hold_port: bool = True,
+                 resume_universal_from: str | None = None) -> tuple[JobPlan, PortLease]:
+    """Gather what the planner needs (the I/O part) and plan one attempt.
+
+    Reads the hostfile, applies the filters, checks the nodes can be reached as the
+    provisioner is configured (keys, names), reads the DeepSpeed (and Accelerate) config and
+    resolves it for the pool's world size (``orchestrator.accelerate_config.job_deepspeed``),
+    reserves the master port, then calls the pure :func:`orchestrator.plan.make_plan`.
+
+    Args:
+        spec: the validated spec.
+        state_dir: orch's state directory (run directories).
+        job_id: the job's id.
+        attempt: 1-based attempt number.
+        resume_tag: the checkpoint tag to resume from, or None.
+        hold_port: keep the port reserved (False for ``orch plan``, which only looks).
+        resume_universal_from: when ``resume_tag`` is a universal checkpoint, the tag it was
+            converted from (see :class:`orchestrator.plan.PlanInputs`).
+
+    Returns:
+        ``(plan, lease)``; release the lease when the attempt is over.
+
+    Raises:
+        OrchError: HostfileError, FilterError, SpecError, PlanError, LaunchError, ProvisionError.
+    """
+    state_dir = Path(state_dir)
+    provisioner = get_provisioner(spec.provisioner, spec)
+    pool = _pool(spec, provisioner)
+    provisioner.check(pool)
+    if attempt == 1:  # a restart that has just used the spare must still run
+        _check_restart_policy(spec, provisioner, pool)
+    job_ds = job_deepspeed(spec, [len(slots) for _, slots in pool.nodes], os.environ)  # resolved for this world
+    master_addr = spec.master_addr or provisioner.master_addr(pool.hosts[0])
+    lease = reserve_port(default_lock_dir(), spec.master_port, master_addr,
+                         check_bind=spec.provisioner == "local", hold=hold_port)
+    try:
+        job_dir = state_dir / "jobs" / job_id
+        inputs = PlanInputs(
+            job_id=job_id, attempt=attempt, master_port=lease.port,
+            run_dir=str((job_dir / f"attempt-{attempt}").resolve()),
+            checkpoint_dir=checkpoint_dir_of(spec, state_dir, job_id),
+            python=rank_python(spec), default_master_addr=master_addr,
+            resume_tag=resume_tag, resume_universal_from=resume_universal_from,
+            controller_env=dict(os.environ), controller_cwd=spec.workdir,
+            deepspeed_env_lines=_deepspeed_env_lines(spec.workdir),
+            deepspeed_config=job_ds.config, accelerator_exports=_accelerator_exports(),
+            accelerate_env_defaults=job_ds.env_defaults(), config_warnings=job_ds.warnings)
+        inputs = dataclasses.replace(inputs, accelerate_env=job_ds.env(inputs.deepspeed_config_path))
+        plan = make_plan(spec, pool, inputs)
+        return plan, lease
+    except BaseException:
+        lease.release()
+        raise
+
+
+def _check_restart_policy(spec: JobSpec, provisioner: Provisioner, pool: ResourcePool) -> None:
+    """A policy that restarts without a lost node needs somewhere to restart.
+
+    A spare host takes the lost one's place; without one, a job that uses every host
+    (``num_nodes`` and ``include`` not set) restarts on the nodes left, from its last checkpoint
+    converted to DeepSpeed's universal format (:func:`orchestrator.checkpoints.convert_to_universal`).
+    A fixed ``num_nodes`` or ``include`` with no host beyond them, or a single host, cannot be
+    satisfied.
+
+    Raises:
+        SpecError: ``exclude_failed_nodes`` with no host to restart on.
+    """
+    policy = spec.restart
+    if not (policy.exclude_failed_nodes and policy.max_restarts and "node_lost" in policy.retry_on):
+        return
+    every = _pool(spec.model_copy(update={"num_nodes": -1}), provisioner)
+    if len(every.nodes) > len(pool.nodes):
+        return
+    if spec.num_nodes == -1 and not spec.include and len(pool.nodes) > 1:
+        return  # the restart runs on fewer nodes
+    if spec.num_nodes != -1:
+        why = (f"num_nodes is {spec.num_nodes} and the hostfile (after the filters) has no host beyond them: "
+               f"a restart without a lost node would have nowhere to go")
+        fix = f"set num_nodes below its {len(every.nodes)} host(s), "
+    elif spec.include:
+        why = (f"include {spec.include!r} names every host the job uses: a restart without a lost node would "
+               "have nowhere to go")
+        fix = ""
+    else:
+        why = "the job runs on a single host: a restart without it would have no node to run on"
+        fix = ""
+    raise SpecError(f"restart.exclude_failed_nodes: {why}. Add a spare host to the hostfile, {fix}or turn "
+                    "exclude_failed_nodes off.")
+
+
+def _pool(spec: JobSpec, provisioner: Provisioner) -> ResourcePool:
+    """The filtered resource pool of a spec, refusing pools a job cannot run on.
+
+    The hosts are the hostfile's; without one, what the provisioner finds (a Ray
+    cluster's nodes), else ``localhost`` with ``num_gpus`` (or 1) slots.
+
+    Raises:
+        HostfileError: the hostfile is bad, or a host left in the pool has ``slots=0``
+            (named with its line).
+        FilterError: the filters are bad, or leave no slot at all.
+    """
+    discovered = None if spec.hostfile else provisioner.discover()
+    if spec.hostfile or discovered:
+        hosts = load_hostfile(spec.hostfile) if spec.hostfile else discovered
+        source = spec.hostfile or f"<the {provisioner.name} cluster's nodes>"
+        # a host missing from a discovered pool is simply gone (a dead Ray node); from a hostfile, a typo
+        unknown = [h for h in spec.exclude_hosts if h not in hosts] if spec.hostfile else []
+        if unknown:
+            raise FilterError(f"exclude_hosts names {', '.join(unknown)}, not in {source} (its hosts: "
+                              f"{', '.join(hosts)}).")
+        for host in spec.exclude_hosts:  # orch's own exclusion (lost nodes): before DeepSpeed's filters
+            hosts.pop(host, None)
+        if not hosts:
+            raise FilterError(f"exclude_hosts leaves no host of {source}.")
+    else:
+        hosts = collections.OrderedDict(localhost=spec.num_gpus if spec.num_gpus > 0 else 1)
+        source = "<no hostfile: localhost>"
+    pool = resolve_pool(hosts, spec.include, spec.exclude, spec.num_nodes, spec.num_gpus, source=source)
+    empty = [host for host, slots in pool.nodes if not slots]
+    if empty:
+        where = ", ".join(f"{h} (line {getattr(hosts, 'lines', {}).get(h, '?')})" for h in empty)
+        raise HostfileError(f"Hostfile {source}: host(s) {where} have slots=0, so they would run no rank; "
+                            "remove those lines or exclude the hosts.", path=source)
+    if not pool.nodes:
+        used = " and ".join(f"{name} {getattr(spec, name)!r}" for name in ("include", "exclude")
+                            if getattr(spec, name))
+        raise FilterError(f"No slot of hostfile {source} is left after {used or 'the filters'}; "
+                          f"the hostfile has {', '.join(hosts)}.")
+    return pool

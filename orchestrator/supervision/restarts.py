@@ -1,0 +1,145 @@
+"""The spec's restart policy, applied after each failed attempt: a restart is scheduled after the
+policy's backoff and runs as an automatic resume, unless it is called off first (a cancel, a resume by
+hand, the controller shutting down).
+
+Every decision is an event: ``restart_scheduled`` (restart number, wait, hosts left out), a
+``warning`` when ``max_restarts`` is used up, ``restart_called_off``, ``restart_failed``.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from ..errors import OrchError
+from ..spec import JobSpec
+from ..store import JobState, Store
+
+__all__ = ["Restarts"]
+
+
+class Restarts:
+    """Pending automatic restarts of one controller's jobs.
+
+    Args:
+        store: the job store.
+        owner: the controller's owner record, set on a job while its restart is pending (so that
+            ``orch cancel`` elsewhere reaches this controller).
+        resume: ``resume(job_id, exclude_hosts)``: starts the restart's attempt (an automatic
+            :meth:`~orchestrator.supervision.Controller.resume`); raises OrchError when it cannot.
+    """
+
+    def __init__(self, store: Store, owner: dict[str, Any], resume: Callable[[str, list[str]], Any]) -> None:
+        self.store = store
+        self.owner = owner
+        self.resume = resume
+        self._pending: dict[str, threading.Event] = {}  # job id -> set to call its restart off
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self._scanned_lost = False  # looked for FAILED jobs of a dead server (lost_server_jobs)
+
+    def is_pending(self, job_id: str) -> bool:
+        """Whether a restart of the job is scheduled and has not started its attempt yet."""
+        with self._lock:
+            return job_id in self._pending
+
+    def pending(self) -> list[str]:
+        """The jobs with a restart pending."""
+        with self._lock:
+            return list(self._pending)
+
+    def apply(self, job_id: str, spec: JobSpec, attempt: int) -> bool:
+        """Schedule an automatic restart of a FAILED job whose last attempt is ``attempt``, if
+        ``spec.restart`` retries its cause and restarts are left; returns whether it did."""
+        try:
+            job = self.store.get_job(job_id)
+            policy = spec.restart
+            if job.state != JobState.FAILED or policy.max_restarts == 0 or job.attempt != attempt:
+                return False
+            done = sum(1 for e in self.store.events(job.id) if e.kind == "restart_scheduled")
+            cause = job.cause or {}
+            if not policy.retries(cause):
+                return False
+            if done >= policy.max_restarts:
+                self.store.add_event(job.id, job.attempt, "warning", {
+                    "message": f"no automatic restart: the job was restarted {done} time(s), its max_restarts"})
+                return False
+            delay = policy.backoff(done)
+            exclude = [cause["node"]] if policy.exclude_failed_nodes and cause.get("kind") == "node_lost" \
+                and cause.get("node") else []
+            self.store.add_event(job.id, job.attempt, "restart_scheduled", {
+                "restart": done + 1, "max_restarts": policy.max_restarts, "in_seconds": delay,
+                "exclude_hosts": exclude, "cause_kind": cause.get("kind")})
+        except OrchError as err:
+            self.log_failure(job_id, f"cannot decide on a restart: {err}")
+            return False
+        called_off = threading.Event()
+        with self._lock:
+            self._pending[job.id] = called_off
+        self.store.set_owner(job.id, self.owner)
+        threading.Thread(target=self._restart_later, args=(job.id, delay, exclude, called_off),
+                         name=f"restart-{job.id}", daemon=True).start()
+        return True
+
+    def call_off(self, job_id: str, reason: str) -> bool:
+        """Call a pending restart of the job off (event ``restart_called_off``); False when none was."""
+        with self._lock:
+            called_off = self._pending.pop(job_id, None)
+        if called_off is None:
+            return False
+        called_off.set()
+        self.store.add_event(job_id, None, "restart_called_off", {"reason": reason})
+        return True
+
+    def close(self) -> None:
+        """Call every pending restart off; none is scheduled from now on."""
+        self._closed.set()
+        for job_id in self.pending():
+            self.call_off(job_id, "the controller shut down")
+
+    def log_failure(self, job_id: str, message: str) -> None:
+        """Record that an automatic restart failed (events ``restart_failed`` and ``warning``)."""
+        try:
+            self.store.add_event(job_id, None, "restart_failed", {"message": message})
+            self.store.add_event(job_id, None, "warning", {"message": f"automatic restart failed: {message}"})
+        except Exception:  # noqa: BLE001 - the store may be closing
+            pass
+
+    def lost_server_jobs(self, recovered: list[str]) -> list[str]:
+        """Jobs whose restart policy a server is to apply after a server died: the ones just recovered,
+        and (once, at the server's start) FAILED ones whose server died and whose restart nobody decided
+        yet (another command may have noticed the death first); only jobs an orch server ran."""
+        ids = list(recovered)
+        if not self._scanned_lost:
+            self._scanned_lost = True
+            for job in self.store.list_jobs(limit=10_000):
+                cause = job.cause or {}
+                if job.state != JobState.FAILED or cause.get("kind") != "controller_lost" or job.id in ids \
+                        or job.owner or self.is_pending(job.id):
+                    continue
+                later = [e.kind for e in self.store.events(job.id) if e.attempt == job.attempt]
+                if "restart_scheduled" not in later and "restart_failed" not in later:
+                    ids.append(job.id)
+        return [j for j in ids if (self.store.get_job(j).cause or {}).get("server")]
+
+    def _restart_later(self, job_id: str, delay: float, exclude: list[str], called_off: threading.Event) -> None:
+        try:
+            if called_off.wait(delay) or self._closed.is_set():
+                return
+            try:
+                self.resume(job_id, exclude)
+            except OrchError as err:
+                self.log_failure(job_id, str(err))
+            except Exception as err:  # noqa: BLE001 - an orch bug: say so, never die silently
+                self.log_failure(job_id, f"orch internal error: {err!r}")
+        finally:
+            with self._lock:
+                if self._pending.get(job_id) is called_off:
+                    del self._pending[job_id]
+            try:
+                job = self.store.get_job(job_id)
+                if job.state.is_terminal() and job.owner == self.owner:
+                    self.store.set_owner(job_id, None)  # no restart came of it
+            except Exception:  # noqa: BLE001 - the store may be closing
+                pass

@@ -1,0 +1,49 @@
+"""How fast supervision notices things: every deadline of an attempt, in seconds, from the controller's
+arguments or environment.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+__all__ = ["Timings", "env_seconds"]
+
+
+def env_seconds(name: str, default: float) -> float:
+    """A positive number of seconds from the environment variable ``name``, else ``default``."""
+    try:
+        value = float(os.environ.get(name, ""))
+    except ValueError:
+        return default
+    return value if value > 0 else default
+
+
+@dataclass(frozen=True)
+class Timings:
+    """An attempt's deadlines (seconds).
+
+    Attributes:
+        heartbeat_s: how often agents send heartbeats and the controller pings them.
+        node_timeout_s: an agent's silence after which its node counts as lost.
+        agent_lease_s: the controller's silence after which an agent stops its ranks.
+        provision_timeout_s: how long every agent has to start and say hello.
+        preflight_timeout_s: how long the nodes' preflight checks may take.
+    """
+
+    heartbeat_s: float = 0.5
+    node_timeout_s: float = 3.0
+    agent_lease_s: float = 15.0
+    provision_timeout_s: float = 120.0
+    preflight_timeout_s: float = 60.0
+
+    @classmethod
+    def from_env(cls, heartbeat_s: float | None = None, node_timeout_s: float | None = None,
+                 agent_lease_s: float | None = None) -> "Timings":
+        """The given values, else ``$ORCH_HEARTBEAT_S``, ``$ORCH_NODE_TIMEOUT_S``, ``$ORCH_AGENT_LEASE_S``,
+        ``$ORCH_PROVISION_TIMEOUT_S``, ``$ORCH_PREFLIGHT_TIMEOUT_S``, else the defaults above."""
+        return cls(heartbeat_s=heartbeat_s or env_seconds("ORCH_HEARTBEAT_S", cls.heartbeat_s),
+                   node_timeout_s=node_timeout_s or env_seconds("ORCH_NODE_TIMEOUT_S", cls.node_timeout_s),
+                   agent_lease_s=agent_lease_s or env_seconds("ORCH_AGENT_LEASE_S", cls.agent_lease_s),
+                   provision_timeout_s=env_seconds("ORCH_PROVISION_TIMEOUT_S", cls.provision_timeout_s),
+                   preflight_timeout_s=env_seconds("ORCH_PREFLIGHT_TIMEOUT_S", cls.preflight_timeout_s))
