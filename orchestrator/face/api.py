@@ -1,4 +1,4 @@
-"""The HTTP API of ``orch server``: thin routes over a :class:`~orchestrator.controller.Controller`.
+"""The HTTP API of ``orch server``: thin routes over a :class:`~orchestrator.supervision.Controller`.
 
 Routes (JSON in and out; errors are ``{"error": message, "kind": ErrorClass}`` with 400,
 404 for an unknown job, 409 for an illegal state change):
@@ -16,8 +16,8 @@ Routes (JSON in and out; errors are ``{"error": message, "kind": ErrorClass}`` w
 * ``GET  /api/jobs/{id}/progress?attempt=K&since=ID``  reported steps (id, rank, step, at, loss,
   lr, samples_per_second, tokens_per_second, step_seconds), oldest first, after point ``since``
 * ``GET  /metrics``                          the controller's Prometheus metrics (docs/metrics.md)
-* ``GET  /``                                 the live web dashboard (orchestrator/web/index.html)
-* ``GET  /static/{file}``                    its script and style sheet (orchestrator/web/)
+* ``GET  /``                                 the live web dashboard (orchestrator/face/web/index.html)
+* ``GET  /static/{file}``                    its script and style sheet (orchestrator/face/web/)
 """
 
 from __future__ import annotations
@@ -25,16 +25,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from .. import __version__
-from ..supervision import Controller
 from ..errors import NotFoundError, OrchError, StateError
-from ..spec import spec_from_dict
 from ..observe import job_detail, job_summary, read_log
+from ..spec import spec_from_dict
+from ..supervision import Controller
 
 __all__ = ["WEB_DIR", "create_app"]
 
@@ -42,25 +42,31 @@ WEB_DIR = Path(__file__).resolve().parent / "web"
 
 
 def create_app(controller: Controller) -> FastAPI:
-    """Build the FastAPI app serving ``controller``."""
+    """Build the FastAPI app serving ``controller``: the job routes, health, metrics and the dashboard."""
     app = FastAPI(title="orch", version=__version__)
+    app.add_exception_handler(OrchError, _orch_error)
+    app.add_exception_handler(ValueError, _value_error)
+    app.include_router(_job_routes(controller))
+    app.include_router(_service_routes(controller))
+    app.mount("/static", StaticFiles(directory=WEB_DIR), name="static")
+    return app
+
+
+async def _orch_error(_request: Request, err: OrchError) -> JSONResponse:
+    status = 404 if isinstance(err, NotFoundError) else 409 if isinstance(err, StateError) else 400
+    return JSONResponse({"error": str(err), "kind": type(err).__name__}, status_code=status)
+
+
+async def _value_error(_request: Request, err: ValueError) -> JSONResponse:
+    return JSONResponse({"error": str(err), "kind": "ValueError"}, status_code=400)
+
+
+def _job_routes(controller: Controller) -> APIRouter:
+    """``/api/jobs`` and everything under it."""
+    api = APIRouter(prefix="/api/jobs")
     store = controller.store
 
-    @app.exception_handler(OrchError)
-    async def _orch_error(_request: Request, err: OrchError) -> JSONResponse:
-        status = 404 if isinstance(err, NotFoundError) else 409 if isinstance(err, StateError) else 400
-        return JSONResponse({"error": str(err), "kind": type(err).__name__}, status_code=status)
-
-    @app.exception_handler(ValueError)
-    async def _value_error(_request: Request, err: ValueError) -> JSONResponse:
-        return JSONResponse({"error": str(err), "kind": "ValueError"}, status_code=400)
-
-    @app.get("/api/health")
-    def health() -> dict[str, Any]:
-        return {"ok": True, "version": __version__, "state_dir": str(controller.state_dir),
-                "pid": controller.owner["pid"]}
-
-    @app.get("/api/jobs")
+    @api.get("")
     def list_jobs(limit: int = 100) -> list[dict[str, Any]]:
         out = []
         for job in store.list_jobs(limit):
@@ -68,22 +74,22 @@ def create_app(controller: Controller) -> FastAPI:
             out.append(job_summary(job, attempt))
         return out
 
-    @app.post("/api/jobs")
+    @api.post("")
     def submit(body: dict[str, Any]) -> dict[str, Any]:
         spec = spec_from_dict(body.get("spec"), source=str(body.get("source", "<submitted spec>")))
         job = controller.submit(spec)
         return job_detail(store, job.id)
 
-    @app.get("/api/jobs/{job_id}")
+    @api.get("/{job_id}")
     def get_job(job_id: str) -> dict[str, Any]:
         return job_detail(store, job_id)
 
-    @app.post("/api/jobs/{job_id}/cancel")
+    @api.post("/{job_id}/cancel")
     def cancel(job_id: str) -> dict[str, Any]:
         job = controller.cancel(job_id)
         return job_detail(store, job.id)
 
-    @app.post("/api/jobs/{job_id}/resume")
+    @api.post("/{job_id}/resume")
     def resume(job_id: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
         exclude = (body or {}).get("exclude") or []
         if not isinstance(exclude, list) or not all(isinstance(h, str) for h in exclude):
@@ -94,22 +100,22 @@ def create_app(controller: Controller) -> FastAPI:
         job = controller.resume(job_id, exclude_hosts=exclude, fresh=fresh)
         return job_detail(store, job.id)
 
-    @app.get("/api/jobs/{job_id}/events")
+    @api.get("/{job_id}/events")
     def events(job_id: str, since: int = 0) -> list[dict[str, Any]]:
         job = store.get_job(job_id)
         return [e.to_dict() for e in store.events(job.id, since)]
 
-    @app.get("/api/jobs/{job_id}/plan")
+    @api.get("/{job_id}/plan")
     def plan(job_id: str, attempt: int | None = None) -> dict[str, Any]:
         job = store.get_job(job_id)
         return store.get_attempt(job.id, attempt or job.attempt).plan
 
-    @app.get("/api/jobs/{job_id}/logs")
+    @api.get("/{job_id}/logs")
     def logs(job_id: str, rank: int = 0, attempt: int | None = None, offset: int = 0,
              limit: int = 1 << 20) -> dict[str, Any]:
         return read_log(store, job_id, rank, attempt, offset, limit)
 
-    @app.get("/api/jobs/{job_id}/progress")
+    @api.get("/{job_id}/progress")
     def progress(job_id: str, attempt: int | None = None, since: int = 0, limit: int = 20_000) -> dict[str, Any]:
         job = store.get_job(job_id)
         number = attempt or job.attempt
@@ -118,15 +124,25 @@ def create_app(controller: Controller) -> FastAPI:
         return {"job": job.id, "attempt": number, "points": points,
                 "last_id": points[-1]["id"] if points else since}
 
-    @app.get("/metrics")
+    return api
+
+
+def _service_routes(controller: Controller) -> APIRouter:
+    """Health, the controller's Prometheus metrics, the dashboard's page."""
+    api = APIRouter()
+
+    @api.get("/api/health")
+    def health() -> dict[str, Any]:
+        return {"ok": True, "version": __version__, "state_dir": str(controller.state_dir),
+                "pid": controller.owner["pid"]}
+
+    @api.get("/metrics")
     def metrics() -> Response:
         return Response(generate_latest(controller.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)
+    @api.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)
     def dashboard() -> FileResponse:
         return FileResponse(WEB_DIR / "index.html", media_type="text/html; charset=utf-8",
                             headers={"Cache-Control": "no-cache"})
 
-    app.mount("/static", StaticFiles(directory=WEB_DIR), name="static")
-
-    return app
+    return api

@@ -1,0 +1,147 @@
+"""Where commands read jobs from: ``orch server``'s HTTP API when one runs for the state directory (or
+``--server`` names one), else the state directory itself."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from .output import UsageError
+
+
+class StoreBackend:
+    """Reads the store directly; commands that change state use an embedded controller.
+
+    Reading creates nothing: a state directory without a store simply has no jobs. Jobs
+    whose controller died (an ``orch run`` that was killed) are marked FAILED first, so
+    what is shown is not stale (:func:`orchestrator.controller.recover_orphans`).
+    """
+
+    def __init__(self, state_dir: Path) -> None:
+        self.state_dir = state_dir
+        self._store = None
+
+    @property
+    def store(self) -> Any:
+        from ...supervision import recover_orphans
+        from ...errors import NotFoundError
+        from ...store import Store
+        if self._store is None:
+            if not (self.state_dir / "orch.db").is_file():
+                raise NotFoundError(f"No jobs in state dir {self.state_dir} (nothing has run with it yet).")
+            self._store = Store(self.state_dir / "orch.db")
+            recover_orphans(self._store)
+        return self._store
+
+    def list(self) -> list[dict]:
+        from ...errors import NotFoundError
+        from ...observe import job_summary
+        try:
+            store = self.store
+        except NotFoundError:
+            return []
+        out = []
+        for job in store.list_jobs(1000):
+            attempt = store.get_attempt(job.id, job.attempt) if job.attempt else None
+            out.append(job_summary(job, attempt))
+        return out
+
+    def detail(self, job_id: str) -> dict:
+        from ...observe import job_detail
+        return job_detail(self.store, job_id)
+
+    def logs(self, job_id: str, rank: int, attempt: int | None, offset: int) -> dict:
+        from ...observe import read_log
+        return read_log(self.store, job_id, rank, attempt, offset)
+
+    def cancel(self, job_id: str) -> dict:
+        from ...supervision import Controller
+        self.store  # noqa: B018 - fails clearly when there is no store
+        c = Controller(self.state_dir)
+        try:
+            c.cancel(job_id)
+        finally:
+            c.close(cancel=False)
+        return self.detail(job_id)
+
+
+class HttpBackend:
+    """Talks to ``orch server``."""
+
+    def __init__(self, url: str) -> None:
+        import httpx
+        self.url = url.rstrip("/")
+        self.http = httpx.Client(base_url=self.url, timeout=60.0)
+
+    def _call(self, method: str, path: str, **kw: Any) -> Any:
+        import httpx
+        try:
+            r = self.http.request(method, path, **kw)
+        except httpx.HTTPError as err:
+            raise UsageError(f"Cannot reach the orch server at {self.url}: {err}.") from err
+        if r.status_code >= 400:
+            try:
+                body = r.json()
+                msg = body.get("error") or body.get("detail") or r.text
+            except ValueError:
+                msg = r.text
+            raise UsageError(str(msg))
+        return r.json()
+
+    def list(self) -> list[dict]:
+        return self._call("GET", "/api/jobs", params={"limit": 1000})
+
+    def detail(self, job_id: str) -> dict:
+        return self._call("GET", f"/api/jobs/{job_id}")
+
+    def logs(self, job_id: str, rank: int, attempt: int | None, offset: int) -> dict:
+        params: dict[str, Any] = {"rank": rank, "offset": offset}
+        if attempt:
+            params["attempt"] = attempt
+        return self._call("GET", f"/api/jobs/{job_id}/logs", params=params)
+
+    def cancel(self, job_id: str) -> dict:
+        return self._call("POST", f"/api/jobs/{job_id}/cancel")
+
+    def resume(self, job_id: str, exclude: list[str], fresh: bool = False) -> dict:
+        # no time limit: the server may first convert the checkpoint for a new world size (minutes)
+        return self._call("POST", f"/api/jobs/{job_id}/resume", json={"exclude": exclude, "fresh": fresh},
+                          timeout=None)
+
+    def submit(self, spec: dict, source: str) -> dict:
+        return self._call("POST", "/api/jobs", json={"spec": spec, "source": source})
+
+
+def server_file(state_dir: Path) -> Path:
+    return state_dir / "server.json"
+
+
+def find_server(args: argparse.Namespace) -> str | None:
+    """The URL of the server to use: --server/$ORCH_SERVER, else a live one recorded in the state dir."""
+    if args.server:
+        return args.server
+    path = server_file(state_dir_of(args))
+    try:
+        info = json.loads(path.read_text())
+        import psutil
+        if psutil.pid_exists(int(info["pid"])):
+            return str(info["url"])
+    except (OSError, ValueError, KeyError):
+        pass
+    return None
+
+
+def pick_backend(args: argparse.Namespace) -> StoreBackend | HttpBackend:
+    url = find_server(args)
+    return HttpBackend(url) if url else StoreBackend(state_dir_of(args))
+
+
+def state_dir_of(args: argparse.Namespace) -> Path:
+    from ...supervision import default_state_dir
+    path = Path(args.state_dir).expanduser().resolve() if args.state_dir else default_state_dir().resolve()
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"State dir {path} is not a directory; give --state-dir (or $ORCH_STATE_DIR) a "
+                         "directory.")
+    return path

@@ -1,0 +1,94 @@
+"""How a job looks in a terminal: its header, cause, ranks table, and the words after it ended."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Group
+from rich.table import Table
+from rich.text import Text
+
+from .output import console, fmt_loss, styled
+
+
+def ranks_table(detail: dict) -> Table:
+    t = Table(box=None, pad_edge=False)
+    for col in ("rank", "node", "local", "pid", "state", "exit", "step", "loss", "tokens/s", "last output"):
+        t.add_column(col, overflow="ellipsis", no_wrap=col in ("last output", "state", "exit"),
+                     max_width=60 if col == "last output" else None)
+    for r in detail.get("ranks", []):
+        exit_ = (r.get("how") or "").replace("exit code ", "").replace("signal ", "") or "-"
+        t.add_row(str(r["global_rank"]), f"{r['host']} ({r['node_rank']})", str(r["local_rank"]),
+                  str(r["pid"] or "-"), styled(r["state"]), exit_,
+                  str(r["step"] if r["step"] is not None else "-"), fmt_loss(r["loss"]),
+                  f"{r['tokens_per_second']:.0f}" if r.get("tokens_per_second") is not None else "-",
+                  Text((r.get("last_line") or "")[:200]))
+    return t
+
+
+def header_line(detail: dict) -> Text:
+    t = Text()
+    t.append(f"job {detail['id']}  ", style="bold")
+    t.append_text(styled(detail["state"]))
+    t.append(f"  attempt {detail['attempt']}  world size {detail.get('world_size', '-')}"
+             f"  master {detail.get('master_addr', '-')}:{detail.get('master_port', '-')}")
+    return t
+
+
+def cause_lines(detail: dict) -> list[str]:
+    cause = detail.get("cause") or {}
+    lines = []
+    if cause.get("lines") and cause.get("summary"):  # preflight_failed: a line per finding and its nodes
+        lines.append(f"cause: {cause['summary']}:")
+        lines += [f"  {line}" for line in cause["lines"]]
+    elif cause.get("message"):
+        lines.append(f"cause: {cause['message']}")
+    with_tail = cause if cause.get("log_tail") else (cause.get("first_symptom") or {})
+    tail = with_tail.get("log_tail") or []
+    if tail:
+        lines.append(f"last lines of rank {with_tail.get('global_rank')}'s log:")
+        lines += [f"  | {ln}" for ln in tail[-10:]]
+    return lines
+
+
+def render_detail(detail: dict) -> Group:
+    parts: list[Any] = [header_line(detail)]
+    for line in cause_lines(detail):
+        parts.append(Text(line, style="red" if line.startswith("cause") else ""))
+    parts.append(ranks_table(detail))
+    return Group(*parts)
+
+
+def resume_words(data: dict) -> str:
+    """Where a new attempt starts, and the newer checkpoints it skipped and why (a state event's data)."""
+    words = f"  starts from checkpoint {data['resume_tag']}" if data.get("resume_tag") else \
+        "  starts from the beginning (no complete checkpoint)"
+    for s in data.get("skipped_checkpoints") or []:
+        words += f"; skipped {s['tag']}: {'; '.join(s['problems'])}"
+    return words
+
+
+def final_words(detail: dict, header: bool = True) -> None:
+    c = console
+    if header:
+        c.print(header_line(detail))
+        for line in cause_lines(detail):
+            c.print(line, markup=False, highlight=False, style="red" if line.startswith("cause") else None)
+    if detail.get("run_dir"):
+        c.print(f"logs: {detail['run_dir']}/logs", markup=False, highlight=False)
+    if detail["state"] in ("FAILED", "CANCELLED"):
+        if (detail.get("cause") or {}).get("kind") == "preflight_failed":
+            c.print(f"fix the nodes, then resume with: orch resume {detail['id']}; a problem in the spec itself "
+                    "(python, workdir, entrypoint, checkpoint_dir) needs a new job from the fixed spec (orch run), "
+                    "since a resume runs the job's stored spec", markup=False, highlight=False)
+        else:
+            c.print(f"resume with: orch resume {detail['id']}", markup=False, highlight=False)
+
+
+def start_checkpoint(attempt: dict) -> str:
+    """An attempt's start checkpoint in words: its tag, and for a universal one the tag it came from."""
+    tag = attempt.get("resume_tag")
+    if not tag:
+        return "-"
+    source = attempt.get("resume_universal_from")
+    return f"{tag} (converted from {source})" if source else tag

@@ -1,0 +1,89 @@
+"""The commands that show jobs: ``list``, ``status``, ``logs``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from rich.table import Table
+from rich.text import Text
+
+from .backends import pick_backend
+from .output import ago, console, print_json, styled
+from .render import cause_lines, header_line, ranks_table, start_checkpoint
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    jobs = pick_backend(args).list()
+    if args.output == "json":
+        print_json(jobs)
+        return 0
+    if not jobs:
+        console.print("No jobs yet. Run one with `orch run job.yaml`.")
+        return 0
+    t = Table(box=None, pad_edge=False)
+    for col in ("job", "state", "attempt", "restarts", "nodes", "world", "updated", "cause"):
+        t.add_column(col, overflow="ellipsis", max_width=70 if col == "cause" else None)
+    for j in jobs:
+        t.add_row(j["id"], styled(j["state"]), str(j["attempt"]), str(j["restarts"]),
+                  ",".join(j.get("nodes") or []), str(j.get("world_size") or "-"), ago(j["updated_at"]),
+                  j.get("cause_message") or "")
+    console.print(t)
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    detail = pick_backend(args).detail(args.job)
+    if args.output == "json":
+        print_json(detail)
+        return 0
+    c = console
+    c.print(header_line(detail))
+    attempts = Table(title="Attempts", box=None, title_justify="left", pad_edge=False)
+    for col in ("#", "state", "nodes", "world", "start checkpoint", "started", "cause"):
+        attempts.add_column(col, overflow="fold")
+    for a in detail["attempts"]:
+        attempts.add_row(str(a["number"]), styled(a["state"]), ",".join(a["nodes"]), str(a["world_size"]),
+                         start_checkpoint(a), ago(a["created_at"]), (a.get("cause") or {}).get("message") or "")
+    c.print(attempts)
+    c.print(Text(f"Ranks of attempt {detail['attempt']}", style="bold"))
+    c.print(ranks_table(detail))
+    for line in cause_lines(detail)[1:]:
+        c.print(line, markup=False, highlight=False)
+    return 0
+
+
+def cmd_logs(args: argparse.Namespace) -> int:
+    backend = pick_backend(args)
+    detail = backend.detail(args.job)
+    ranks = [args.rank] if args.rank is not None else [r["global_rank"] for r in detail["ranks"]]
+    prefix = args.rank is None
+    offsets = {r: (-1 if args.tail else 0) for r in ranks}
+    while True:
+        all_eof = True
+        for r in ranks:
+            chunk = backend.logs(detail["id"], r, args.attempt, offsets[r])
+            offsets[r] = chunk["offset"]
+            all_eof &= chunk["eof"]
+            if args.output == "json":  # one JSON object per line, per rank and chunk
+                lines = chunk["data"].splitlines()[-args.tail:] if args.tail else chunk["data"].splitlines()
+                if lines:
+                    sys.stdout.write(json.dumps({"rank": r, "lines": lines}) + "\n")
+                    sys.stdout.flush()
+            else:
+                _write_lines(chunk["data"], f"[rank {r}] " if prefix else "", args.tail)
+        if not args.follow or all_eof:
+            return 0
+        time.sleep(0.5)
+
+
+def _write_lines(data: str, prefix: str, tail: int | None) -> None:
+    if not data:
+        return
+    lines = data.splitlines()
+    if tail:
+        lines = lines[-tail:]
+    sys.stdout.write("".join(f"{prefix}{ln}\n" for ln in lines))
+    sys.stdout.flush()
