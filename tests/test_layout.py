@@ -200,3 +200,16 @@ def test_the_checks_catch_what_they_are_for() -> None:
     assert ["orchestrator.store.sqlite", "orchestrator.store.states"] in _cycles(graph)
     graph["agents.ranks"].append(("orchestrator.supervision", 1))
     assert any("agents import orchestrator.supervision" in p for p in layering_problems(graph))
+def test_modules_and_functions_stay_short() -> None:
+    long_modules, long_functions = [], []
+    for path in MODULES.values():
+        text = path.read_text()
+        if text.count("\n") > MAX_MODULE_LINES:
+            long_modules.append(f"{path.relative_to(ROOT)} ({text.count(chr(10))} lines)")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    long_functions.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({lines} lines)")
+    assert not long_modules, f"modules over {MAX_MODULE_LINES} lines: {', '.join(long_modules)}"
+    assert not long_functions, f"functions over {MAX_FUNCTION_LINES} lines: {', '.join(long_functions)}"
