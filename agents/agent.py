@@ -46,7 +46,7 @@ class Agent:
     Args:
         start: the ``start`` message: ``{"node": {...}, "attempt_id": str, "grace": float,
             "heartbeat_s": float, "lease_s": float}``; ``node`` is a NodePlan dict
-            (``orchestrator.plan.NodePlan.to_dict``).
+            (``orchestrator.planning.NodePlan.to_dict``).
         writer: where messages to the controller go.
         inbox: messages from the controller (the reader's queue).
         base_env: the node's environment that every rank's env is laid over.

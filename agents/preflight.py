@@ -1,6 +1,6 @@
 """Per-node preflight: what a node's agent checks before any rank of the attempt starts.
 
-The controller decides which checks apply (``orchestrator.preflight``); the agent runs
+The controller decides which checks apply (``orchestrator.supervision.preflight``); the agent runs
 them and answers with each check's result. Two phases, each a ``preflight`` message
 answered by a ``preflight_result`` (see :mod:`agents.link`):
 
@@ -138,7 +138,7 @@ class NodePreflight:
         """Answer one ``preflight`` message: ``{"type": "preflight_result", "phase", ...}``.
 
         Args:
-            msg: ``{"phase": "check", ...}`` (see ``orchestrator.preflight.PreflightRound.requests``)
+            msg: ``{"phase": "check", ...}`` (see ``orchestrator.supervision.preflight.PreflightRound.requests``)
                 or ``{"phase": "list", "shared": {"dir", "nonce"}, "expect": [node ranks]}``.
 
         Returns:
@@ -277,7 +277,7 @@ class NodePreflight:
     def _master_port(self, addr: str, port: int) -> dict[str, Any]:
         """Bind the port on every address, as rank 0's c10d store will (SO_REUSEADDR, like c10d:
         a socket left in TIME_WAIT is no obstacle, a listener anywhere on the port is). orch's
-        own reservation of the port (``orchestrator.ports``) is a lock file, not a socket."""
+        own reservation of the port (``orchestrator.supervision.ports``) is a lock file, not a socket."""
         t = time.monotonic()
         self.current = "master_port"
         family, wildcard = (socket.AF_INET6, "::") if ":" in addr else (socket.AF_INET, "0.0.0.0")

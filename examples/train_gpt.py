@@ -91,7 +91,7 @@ from torch import nn
 
 RANK_FILE_FMT = "orch_rank_{rank}.pt"
 MARKER = "orch_checkpoint.json"
-UNIVERSAL_MARKER = "orch_universal.json"  # written by orch after ds_to_universal (orchestrator/checkpoints.py)
+UNIVERSAL_MARKER = "orch_universal.json"  # written by orch after ds_to_universal (orchestrator/checkpoints/tags.py)
 RANK_STATE_FORMAT = 1
 MARKER_FORMAT = 1
 MODEL_16BIT = "pytorch_model.bin"  # engine.save_16bit_model's default name, in the final tag's directory

@@ -77,8 +77,8 @@ class SpecError(OrchError):
 
 
 class ConfigError(SpecError):
-    """An Accelerate config or a DeepSpeed config cannot be used (orchestrator.accelerate_config,
-    orchestrator.dsconfig); ``problems`` holds one ``(key path, message with the fix)`` per problem."""
+    """An Accelerate config or a DeepSpeed config cannot be used (orchestrator.spec.accelerate,
+    orchestrator.spec.dsconfig); ``problems`` holds one ``(key path, message with the fix)`` per problem."""
 
 
 class PlanError(OrchError):
@@ -90,7 +90,7 @@ class LaunchError(OrchError):
 
 
 class StateError(OrchError):
-    """An illegal job or attempt state transition was requested (see orchestrator.state)."""
+    """An illegal job or attempt state transition was requested (see orchestrator.store.states)."""
 
 
 class NotFoundError(OrchError):
@@ -107,5 +107,5 @@ class CheckpointError(OrchError):
 
 
 class ExportError(CheckpointError):
-    """A checkpoint cannot be exported as a consolidated state dict (orchestrator.export): no
+    """A checkpoint cannot be exported as a consolidated state dict (orchestrator.checkpoints.export): no
     complete tag, a tag DeepSpeed cannot read, or an output file that cannot be written."""

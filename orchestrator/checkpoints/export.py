@@ -47,8 +47,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from .tags import MARKER, UNIVERSAL_MARKER, CheckpointInfo, is_universal_dir, inspect_tag, latest_complete, scan
 from ..errors import ExportError
+from .tags import MARKER, UNIVERSAL_MARKER, CheckpointInfo, inspect_tag, is_universal_dir, latest_complete, scan
 
 __all__ = ["ExportResult", "choose_tag", "consolidated_state_dict", "export_checkpoint"]
 

@@ -23,7 +23,7 @@ __all__ = ["LaunchContext", "RankLaunch", "RealCommand", "Launcher", "check_cont
 
 @dataclass(frozen=True)
 class LaunchContext:
-    """Everything a launcher needs to place ranks; built by ``orchestrator.plan``.
+    """Everything a launcher needs to place ranks; built by ``orchestrator.planning.plan``.
 
     Attributes:
         world: the filtered resource pool in node-rank order, as ``((host, (slot, ...)), ...)``;

@@ -20,8 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from ..store import JobState
-from ..store import Store
+from ..store import JobState, Store
 
 __all__ = ["ControllerMetrics", "TargetsWriter", "default_targets_dir"]
 

@@ -16,11 +16,11 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
 from ..errors import PlanError
-from .pool import ResourcePool
 from ..launchers import get_launcher
 from ..launchers.base import LaunchContext, RealCommand
 from ..launchers.deepspeed import pdsh_exports
 from ..spec import JobSpec
+from .pool import ResourcePool
 
 __all__ = ["PlanInputs", "RankPlan", "NodePlan", "JobPlan", "make_plan", "orch_env"]
 
@@ -55,7 +55,7 @@ class PlanInputs:
         node_metrics_dir: a node-local directory under which each agent keeps its attempt's
             metrics files (``<dir>/<attempt id>/node-<n>``; see agents/metrics.py).
         accelerate_env: what ``accelerate launch`` adds to every rank's environment (``ACCELERATE_*``,
-            ``PYTHONPATH``; ``orchestrator.accelerate_config``), laid over the launcher's variables;
+            ``PYTHONPATH``; ``orchestrator.spec.accelerate``), laid over the launcher's variables;
             empty for a job without an Accelerate config.
         accelerate_env_defaults: variables ``accelerate launch`` passes on where a node lacks them.
         config_warnings: notes on the Accelerate and DeepSpeed configs (shown with the plan's warnings).
@@ -312,7 +312,7 @@ def make_plan(spec: JobSpec, pool: ResourcePool, inputs: PlanInputs) -> JobPlan:
 
     Args:
         spec: the validated job spec.
-        pool: the filtered resource pool (``orchestrator.hostfile.resolve_pool``).
+        pool: the filtered resource pool (``orchestrator.planning.resolve_pool``).
         inputs: everything else (see :class:`PlanInputs`).
 
     Returns:

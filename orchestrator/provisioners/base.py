@@ -7,8 +7,7 @@ import queue
 from abc import ABC, abstractmethod
 from typing import Any
 
-from ..planning import ResourcePool
-from ..planning import JobPlan, NodePlan
+from ..planning import JobPlan, NodePlan, ResourcePool
 
 __all__ = ["AgentHandle", "Provisioner"]
 

@@ -37,8 +37,7 @@ from agents.link import decode, encode
 from agents.ray_actor import EOF_LINE, make_actor_class
 
 from ..errors import ProvisionError
-from ..planning import ResourcePool
-from ..planning import JobPlan, NodePlan
+from ..planning import JobPlan, NodePlan, ResourcePool
 from .base import AgentHandle, Provisioner
 
 __all__ = ["RayProvisioner", "RayAgent", "connect", "match_node"]

@@ -43,8 +43,7 @@ import paramiko
 from agents.link import MessageReader, MessageWriter
 
 from ..errors import ProvisionError
-from ..planning import ResourcePool
-from ..planning import JobPlan, NodePlan
+from ..planning import JobPlan, NodePlan, ResourcePool
 from ..spec import SSHOptions
 from .base import AgentHandle, Provisioner
 

@@ -12,7 +12,7 @@ and ``launch_command``; ``accelerate/utils/launch.py`` ``prepare_deepspeed_cmd_e
   ``launcher`` and ``no_local_rank`` where the spec does not set them (:meth:`AccelerateConfig.spec_fields`);
 * the DeepSpeed settings (``zero_stage``, offload devices and NVMe paths, accumulation,
   clipping, ``zero3_*``, ``mixed_precision``; :meth:`AccelerateConfig.settings`), from which
-  :mod:`orchestrator.dsconfig` builds or resolves the DeepSpeed config;
+  :mod:`orchestrator.spec.dsconfig` builds or resolves the DeepSpeed config;
 * the environment ``accelerate launch`` gives the script (``ACCELERATE_*``, ``PYTHONPATH``;
   :meth:`AccelerateConfig.launch_env`), so the script runs unchanged.
 

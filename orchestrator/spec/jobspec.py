@@ -347,7 +347,7 @@ def spec_from_dict(data: Any, base_dir: str | Path = ".", source: str = "<spec>"
             workdir, entrypoint, DeepSpeed config file) and that the config is valid JSON.
 
     An ``accelerate_config`` is read first and its keys fill the fields ``data`` does not set
-    (``orchestrator.accelerate_config.AccelerateConfig.spec_fields``); its problems (by key path
+    (``orchestrator.spec.accelerate.AccelerateConfig.spec_fields``); its problems (by key path
     and line of that file, Accelerate's ambiguity rule included) are listed with the spec's.
 
     Returns:

@@ -3,7 +3,7 @@
 The file lives under the state directory (``<state_dir>/orch.db``) and is opened in WAL
 mode, so one controller writes while CLI commands and other controllers read. Every
 state change goes through :meth:`Store.set_state`, which checks the move against
-``orchestrator.state.TRANSITIONS`` and records it as an event in the same transaction.
+``orchestrator.store.TRANSITIONS`` and records it as an event in the same transaction.
 A controller that restarts finds every job, attempt and event it wrote before.
 
 Times are wall-clock seconds since the epoch (``float``), from an injectable clock.
@@ -122,7 +122,7 @@ class AttemptRecord:
     Attributes:
         job_id, number: which attempt (numbers start at 1).
         state: the attempt's own state (the job's state while it was current).
-        plan: the attempt's JobPlan as a dict (``orchestrator.plan.JobPlan.to_dict``).
+        plan: the attempt's JobPlan as a dict (``orchestrator.planning.JobPlan.to_dict``).
         resume_tag: the checkpoint tag it started from, or None for a fresh start.
         cause: why it ended, when it failed or was cancelled.
         created_at, running_at, ended_at, stopped_at: epoch seconds or None;
@@ -270,7 +270,7 @@ class Store:
                   data: dict | None = None) -> JobRecord:
         """Move a job (and its current attempt) to ``new``; the one place state changes.
 
-        The move is checked with ``orchestrator.state.check_transition`` inside the same
+        The move is checked with ``orchestrator.store.check_transition`` inside the same
         transaction that writes it, so two writers cannot both leave a state. Entering a
         terminal state sets the attempt's ``ended_at`` and ``cause``; entering RUNNING sets
         its ``running_at``.

@@ -61,8 +61,8 @@ def prepare_plan(spec: JobSpec, state_dir: str | Path, job_id: str, *, attempt: 
 
     Reads the hostfile, applies the filters, checks the nodes can be reached as the
     provisioner is configured (keys, names), reads the DeepSpeed (and Accelerate) config and
-    resolves it for the pool's world size (``orchestrator.accelerate_config.job_deepspeed``),
-    reserves the master port, then calls the pure :func:`orchestrator.plan.make_plan`.
+    resolves it for the pool's world size (``orchestrator.spec.job_deepspeed``),
+    reserves the master port, then calls the pure :func:`orchestrator.planning.make_plan`.
 
     Args:
         spec: the validated spec.
@@ -72,7 +72,7 @@ def prepare_plan(spec: JobSpec, state_dir: str | Path, job_id: str, *, attempt: 
         resume_tag: the checkpoint tag to resume from, or None.
         hold_port: keep the port reserved (False for ``orch plan``, which only looks).
         resume_universal_from: when ``resume_tag`` is a universal checkpoint, the tag it was
-            converted from (see :class:`orchestrator.plan.PlanInputs`).
+            converted from (see :class:`orchestrator.planning.PlanInputs`).
 
     Returns:
         ``(plan, lease)``; release the lease when the attempt is over.

@@ -16,7 +16,7 @@ class StoreBackend:
 
     Reading creates nothing: a state directory without a store simply has no jobs. Jobs
     whose controller died (an ``orch run`` that was killed) are marked FAILED first, so
-    what is shown is not stale (:func:`orchestrator.controller.recover_orphans`).
+    what is shown is not stale (:func:`orchestrator.supervision.orphans.recover_orphans`).
     """
 
     def __init__(self, state_dir: Path) -> None:
@@ -25,9 +25,9 @@ class StoreBackend:
 
     @property
     def store(self) -> Any:
-        from ...supervision import recover_orphans
         from ...errors import NotFoundError
         from ...store import Store
+        from ...supervision import recover_orphans
         if self._store is None:
             if not (self.state_dir / "orch.db").is_file():
                 raise NotFoundError(f"No jobs in state dir {self.state_dir} (nothing has run with it yet).")

@@ -22,8 +22,8 @@ def _size(n: int) -> str:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from ...errors import ExportError
     from ...checkpoints import export_checkpoint
+    from ...errors import ExportError
     if not args.file:
         raise UsageError("Name the file to write: orch export JOB model.pt (or orch export JOB --output model.pt).")
     detail = pick_backend(args).detail(args.job)

@@ -21,8 +21,8 @@ def follow_embedded(controller: Any, job_id: str, args: argparse.Namespace, sinc
     Args:
         since_event: only events after this id are reported (a resume shows only its attempt).
     """
-    from ...store import JobState
     from ...observe import job_detail
+    from ...store import JobState
     interrupted = {"n": 0}
 
     def on_signal(sig: int, _frame: Any) -> None:

@@ -14,7 +14,6 @@ from rich.text import Text
 
 from ...errors import OrchError
 
-
 console = Console(width=None if sys.stdout.isatty() else 200)
 
 

@@ -11,7 +11,6 @@ from ... import __version__
 from .backends import find_server, server_file, state_dir_of
 from .output import UsageError, err_console
 
-
 DEFAULT_PORT = 8470
 
 
@@ -52,8 +51,8 @@ def cmd_server(args: argparse.Namespace) -> int:
     import psutil
     import uvicorn
 
-    from ..api import create_app
     from ...supervision import Controller
+    from ..api import create_app
     state_dir = state_dir_of(args)
     running = find_server(argparse.Namespace(server=None, state_dir=str(state_dir)))
     if running:
