@@ -13,8 +13,9 @@ Lifecycle, written once here for every provisioner:
    with heartbeats, and wait for ``start`` (the node's plan), which the controller sends
    once every node passed;
 2. host the c10d store the launcher asks for (torchrun's static rendezvous), if any;
-3. start every rank in its own session (:class:`agents.ranks.RankProcess`), answer
-   ``started`` (or ``spawn_failed`` and stop what was started);
+3. start every rank in its own session (:class:`agents.ranks.RankProcess`), with the
+   interface of its collectives named (:mod:`agents.network`), answer ``started`` (or
+   ``spawn_failed`` and stop what was started);
 4. loop: report every rank exit (``rank_exit``), send ``heartbeat``s, obey ``stop``;
 5. stop the ranks (SIGTERM, the grace period, SIGKILL) when told to, when the
    controller goes away (end of stream, or no message for ``lease_s`` seconds), or
@@ -34,6 +35,7 @@ import threading
 import time
 from typing import Any
 
+from . import network
 from .link import MessageReader, MessageWriter
 from .ranks import RankProcess, become_subreaper, describe_returncode, kill_descendants, kill_marked, stop_all
 
@@ -149,10 +151,23 @@ class Agent:
                               f"{store.get('addr')}:{store.get('port')}: {err}"})
             return False
 
+    def _choose_network(self) -> network.Choice:
+        """The interface of the ranks' collectives (:mod:`agents.network`); a problem is reported as a
+        warning (the preflight's ``network`` check fails the attempt before this, when it runs)."""
+        ranks = self.node["ranks"]
+        choice = network.choose(rank_env(self.base_env, self.node, ranks[0]) if ranks else self.base_env,
+                                self.node.get("master"))
+        if choice.problem:
+            self.writer.send({"type": "warning", "message": f"network on {self.node['host']}: {choice.detail}"})
+        return choice
+
     def _start_ranks(self) -> bool:
         log_dir = self.node["log_dir"]
+        choice = self._choose_network()
         for r in self.node["ranks"]:
             env = rank_env(self.base_env, self.node, r)
+            for key, value in choice.sets.items():
+                env.setdefault(key, value)  # the user's own value wins
             env.update(self.metrics.rank_env(r["global_rank"]))
             proc = RankProcess(r["global_rank"], r["argv"], env, self.node["workdir"],
                                os.path.join(log_dir, f"rank-{r['global_rank']}.log"))
@@ -164,7 +179,7 @@ class Agent:
                 self._stop("spawn failed")
                 return False
             self.ranks.append(proc)
-        self.writer.send({"type": "started", "metrics_port": self.metrics_port,
+        self.writer.send({"type": "started", "metrics_port": self.metrics_port, "network": choice.to_dict(),
                           "ranks": [{"global_rank": p.global_rank, "pid": p.pid} for p in self.ranks]})
         return True
 
@@ -371,11 +386,17 @@ class _BeforeStart:
 
 
 def rank_env(base_env: dict[str, str], node: dict, rank: dict) -> dict[str, str]:
-    """A rank's environment: the node's, the launcher's defaults where unset, then the rank's own."""
+    """A rank's environment: the node's, the launcher's defaults where unset, then the rank's own; and
+    the node plan's ``path_prepend`` (the ranks' Python's directory) first on ``PATH`` unless already on it."""
     env = dict(base_env)
     for key, value in (node.get("env_defaults") or {}).items():
         env.setdefault(key, value)  # what the real launcher sets only where unset
     env.update(rank.get("env") or {})
+    first = node.get("path_prepend")
+    if first:
+        path = env.get("PATH", os.defpath)
+        if first not in path.split(os.pathsep):
+            env["PATH"] = f"{first}{os.pathsep}{path}" if path else first
     return env
 
 

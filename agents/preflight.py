@@ -15,6 +15,9 @@ answered by a ``preflight_result`` (see :mod:`agents.link`):
     * ``checkpoint_dir``: the checkpoint directory exists or can be created, and a file can
       be written into it and removed;
     * ``master_port``: (node 0) nothing listens on the master port;
+    * ``network``: an interface reaches the master address, and the one the ranks' collectives
+      will use exists (the job's ``GLOO_SOCKET_IFNAME``/``NCCL_SOCKET_IFNAME``, else the one
+      :mod:`agents.network` chooses); a loopback master of a job that spans hosts fails;
     * and, for the shared-storage check, the node writes a token file
       ``<checkpoint dir>/.orch-preflight-<attempt id>/node-<node rank>.json`` holding the
       attempt's nonce.
@@ -43,6 +46,7 @@ import threading
 import time
 from typing import Any, Callable, Mapping
 
+from . import network
 from .ranks import _die_with_parent
 
 __all__ = ["NodePreflight", "run_in_thread", "PASSED", "FAILED", "SKIPPED", "TOKEN_PREFIX"]
@@ -179,9 +183,10 @@ class NodePreflight:
         else:
             results.append(_result("master_port", SKIPPED, skip.get("master_port", "only node 0 hosts the "
                                                                          "rendezvous"), time.monotonic()))
+        results.append(self._network((msg.get("node") or {}).get("master")))
         results += self._finish_probe(probe, probe_started, msg, skip, mode, workdir_ok,
                                       float(msg.get("timeout_s") or 60.0))
-        order = ("python", "deepspeed", "workdir", "entrypoint", "checkpoint_dir", "master_port")
+        order = ("python", "deepspeed", "workdir", "entrypoint", "checkpoint_dir", "master_port", "network")
         return sorted(results, key=lambda r: order.index(r["name"]) if r["name"] in order else len(order))
 
     # -- file system checks --------------------------------------------------------------------
@@ -289,6 +294,16 @@ class NodePreflight:
             return _result("master_port", FAILED, f"master port {port} (master {addr}) is in use by another "
                            f"process: {_why(err)}", t)
         return _result("master_port", PASSED, f"master port {port} is free", t)
+
+    # -- the network ---------------------------------------------------------------------------
+
+    def _network(self, master: Mapping[str, Any] | None) -> dict[str, Any]:
+        """The interface of the ranks' collectives (:func:`agents.network.choose`, with the first rank's
+        environment): failed when the ranks' collectives could not work."""
+        t = time.monotonic()
+        self.current = "network"
+        choice = network.choose(self.env, master)
+        return _result("network", FAILED if choice.problem else PASSED, choice.detail, t)
 
     # -- the spec's Python ---------------------------------------------------------------------
 

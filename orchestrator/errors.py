@@ -98,7 +98,14 @@ class NotFoundError(OrchError):
 
 
 class ProvisionError(OrchError):
-    """Agents could not be started on one or more nodes; the message names each node and why."""
+    """Agents could not be started on one or more nodes; the message names each node and why.
+
+    ``reason`` is the same finding without the node's name, so that nodes that failed alike are
+    reported together (it defaults to the message)."""
+
+    def __init__(self, message: str, *, reason: str | None = None) -> None:
+        super().__init__(message)
+        self.reason = reason or message
 
 
 class CheckpointError(OrchError):

@@ -19,6 +19,9 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "tests" / "scripts"
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
+# DeepSpeed's JIT op cache of the tests' own: a shared one is rebuilt by every other virtualenv, and a
+# build killed midway leaves a lock that hangs every later rank using it
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".torch_extensions"))
 
 
 def job_processes(job_id: str) -> list[psutil.Process]:

@@ -54,6 +54,9 @@ def base_env(extra: dict | None = None) -> dict:
         env.pop(k, None)
     env.update({"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
                 "PYTHONPATH": str(REPO) + os.pathsep + env.get("PYTHONPATH", "")})
+    venv_bin = os.path.dirname(sys.executable)  # first, as orch puts it for its ranks: the same `ninja`
+    if venv_bin not in env.get("PATH", "").split(os.pathsep):
+        env["PATH"] = venv_bin + os.pathsep + env.get("PATH", os.defpath)
     env.update(extra or {})
     return env
 

@@ -66,6 +66,8 @@ ORCH_ADDED = {
     "PROMETHEUS_MULTIPROC_DIR": "the node exporter's multiprocess directory (docs/metrics.md)",
     "TORCHELASTIC_RESTART_COUNT": "orch gives every launcher's ranks the restart count as torchrun does "
                                   "(contract); DeepSpeed's nossh launcher sets none (under torchrun both have '0')",
+    "GLOO_SOCKET_IFNAME": "orch names the interface that routes to the master (agents.network; jobspec.md: the ranks' environment); the real launcher leaves gloo to guess by the hostname",
+    "NCCL_SOCKET_IFNAME": "as GLOO_SOCKET_IFNAME, for NCCL's sockets",
 }
 #: Only when accelerate launch runs torchrun on one machine.
 TORCHRUN = {

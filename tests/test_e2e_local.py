@@ -10,6 +10,7 @@ import json
 import re
 import os
 import signal
+import sys
 import socket
 import time
 from pathlib import Path
@@ -17,7 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import SCRIPTS, assert_no_leftovers, job_processes, wait_for
+from conftest import ROOT, SCRIPTS, assert_no_leftovers, job_processes, wait_for
 from orchestrator.supervision import Controller
 
 pytestmark = pytest.mark.integration
@@ -116,7 +117,7 @@ def test_cancel_from_another_process(orch, write_spec, hostfile, tmp_path) -> No
         assert job["state"] == "RUNNING"
         t0 = time.monotonic()
         r = orch("cancel", job["id"], "--wait", "30")
-        assert r.returncode == 0 and "CANCELLED" in r.stdout
+        assert r.returncode == 0 and r.stdout.startswith(f"Job {job['id']}: CANCELLED; every process is gone ("), r.stdout
         assert proc.wait(30) == 1
         assert time.monotonic() - t0 < 2 + 5  # within the grace period (2 s) and a little
         assert_no_leftovers(job["id"], timeout=1)
@@ -125,6 +126,54 @@ def test_cancel_from_another_process(orch, write_spec, hostfile, tmp_path) -> No
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_cancel_says_what_happens_and_how_to_wait(orch, write_spec, hostfile, tmp_path) -> None:
+    ready = tmp_path / "ready"
+    spec = write_spec(**spec_fields(hostfile(TWO_BY_TWO), WORKER_STEPS="6000", WORKER_READY_DIR=str(ready)))
+    proc = orch.popen("run", str(spec))
+    try:
+        wait_for(lambda: len(list(ready.glob("*.ready"))) == 4, 60, "4 ranks running")
+        (job,) = orch.json("list")
+        r = orch("cancel", job["id"])  # without --wait: it says it is cancelling, and how to wait
+        words = " ".join(r.stdout.split())
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert words == (f"Cancelling job {job['id']} (RUNNING): every rank is stopped within its grace period (2 s). "
+                         f"Wait for it with: orch cancel {job['id']} --wait 60; watch it with: orch status {job['id']}")
+        out, _ = proc.communicate(timeout=30)
+        assert f"next: resume it from its last complete checkpoint: orch resume {job['id']}" in " ".join(out.split())
+        r = orch("cancel", job["id"], "--wait", "30")
+        assert r.returncode == 0 and " ".join(r.stdout.split()) == (
+            f"Job {job['id']} had already ended (CANCELLED); nothing is running (an automatic restart it was "
+            "waiting for, if any, is called off)")
+        assert_no_leftovers(job["id"], timeout=1)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_env_passthrough_and_the_pythons_bin_first_on_path(orch, write_spec, hostfile, tmp_path) -> None:
+    out = tmp_path / "probe"
+    spec = write_spec(name="env", hostfile=str(hostfile("node-0 slots=1\n")), entrypoint=str(ROOT / "tests" / "probe.py"),
+                      stop_grace_seconds=2, env={"PROBE_OUT_DIR": str(out), "PATH": "/usr/bin:/bin", "MYJOB_B": "spec"},
+                      env_passthrough=["MYJOB_*"])
+    shell = {"MYJOB_A": "from the shell", "MYJOB_B": "shell", "OTHERJOB_C": "c"}
+    r = orch("plan", str(spec), "--env-passthrough", "OTHERJOB_C,NOTHING_*", "--output", "json", env=shell)
+    assert r.returncode == 0, r.stderr
+    env = json.loads(r.stdout)["nodes"][0]["ranks"][0]["env"]
+    assert (env["MYJOB_A"], env["MYJOB_B"], env["OTHERJOB_C"]) == ("from the shell", "spec", "c")  # the spec's env wins
+    assert "env_passthrough: every rank gets MYJOB_A, OTHERJOB_C from this shell" in r.stderr
+    assert "warning: env_passthrough 'NOTHING_*' matches no variable of this shell" in r.stderr
+    r = orch("run", str(spec), env=shell)
+    assert r.returncode == 0, r.stdout + r.stderr
+    got = json.loads((out / "rank0.json").read_text())["env"]
+    assert got["MYJOB_A"] == "from the shell" and got["MYJOB_B"] == "spec"
+    # the spec's own PATH, with the ranks' Python's directory first (prepend_python_bin)
+    assert got["PATH"] == f"{os.path.dirname(sys.executable)}:/usr/bin:/bin"
+    (job,) = orch.json("list")
+    assert orch.json("status", job["id"])["spec"]["env"]["MYJOB_A"] == "from the shell"  # kept for a resume
+    r = orch("plan", str(spec), "--env-passthrough", "BAD NAME")
+    assert r.returncode == 2 and "expected variable names or shell patterns" in r.stderr
 
 
 def test_controller_killed_agents_stop_ranks_and_the_job_is_marked_failed(orch, write_spec, hostfile,

@@ -40,6 +40,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import pytest
 from conftest import assert_no_leftovers
 
@@ -221,6 +222,8 @@ ORCH_ADDED = {
     "TORCHELASTIC_RESTART_COUNT": "the restart count as torchrun gives it, for every launcher (contract)",
     "PROMETHEUS_MULTIPROC_DIR": "prometheus_client's multiprocess directory of the node's exporter "
                                 "(docs/metrics.md); set while the job exports metrics",
+    "GLOO_SOCKET_IFNAME": "orch names the interface that routes to the master (agents.network; jobspec.md: the ranks' environment); the real launcher leaves gloo to guess by the hostname",
+    "NCCL_SOCKET_IFNAME": "as GLOO_SOCKET_IFNAME, for NCCL's sockets",
 }
 ORCH_CONFIG = {"ORCH_DEEPSPEED_CONFIG": "path of the spec's DeepSpeed config as orch wrote it "
                                         "(contract: ORCH_*); set only when the spec has one"}
@@ -268,6 +271,10 @@ def check_orch_vars(orch, side: RealSide, detail: dict, ours: dict[int, dict], c
             expected["ORCH_REPORT_FILE"] = f"{node_metrics}/reports/rank-{rank}.jsonl"
             assert got == expected, f"rank {rank}: ORCH_* variables {got} != {expected}"
             assert not [k for k in side.reports[rank]["env"] if k.startswith("ORCH_")]
+            # the interface of the collectives: one of this machine's (local agents share it), named for both
+            interface = ours[rank]["env"]["GLOO_SOCKET_IFNAME"]
+            assert interface in psutil.net_if_addrs() and ours[rank]["env"]["NCCL_SOCKET_IFNAME"] == interface
+            assert "GLOO_SOCKET_IFNAME" not in side.reports[rank]["env"]
         first += len(slots)
     return {**ORCH_ADDED, **(ORCH_CONFIG if config else {})}
 

@@ -139,3 +139,18 @@ def test_restart_policy_reaches_the_ranks_and_its_rules(tmp_path) -> None:
     assert _spec(tmp_path, restart={"backoff_seconds": 100, "max_backoff_seconds": 150}).restart.backoff(3) == 150
     with pytest.raises(SpecError, match=r"restart\.retry_on\[0\]: Input should be 'rank_exit'"):
         _spec(tmp_path, restart={"retry_on": ["oom"]})
+
+
+def test_every_node_knows_the_master_and_the_directory_to_put_first_on_path(tmp_path) -> None:
+    plan = make_plan(_spec(tmp_path), _pool(("a", 1), ("b", 1)), _inputs(default_master_addr="10.0.0.1"))
+    assert [n.master for n in plan.nodes] == [{"addr": "10.0.0.1", "port": 29555, "spans_hosts": False}] * 2
+    assert [n.path_prepend for n in plan.nodes] == ["/usr/bin"] * 2  # the ranks' Python's directory
+    assert plan.nodes[0].to_dict()["master"] == plan.nodes[0].master
+    ssh = make_plan(_spec(tmp_path, provisioner="ssh"), _pool(("a", 1), ("b", 1)), _inputs())
+    assert all(n.master["spans_hosts"] for n in ssh.nodes)  # other machines: loopback cannot work
+    one = make_plan(_spec(tmp_path, provisioner="ssh"), _pool(("a", 2)), _inputs())
+    assert not one.nodes[0].master["spans_hosts"]
+    off = make_plan(_spec(tmp_path, prepend_python_bin=False), _pool(("a", 1)), _inputs())
+    assert off.nodes[0].path_prepend is None
+    bare = make_plan(_spec(tmp_path), _pool(("a", 1)), _inputs(python="python3"))  # not resolved: nothing to put
+    assert bare.nodes[0].path_prepend is None

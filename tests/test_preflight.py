@@ -115,7 +115,18 @@ def _run_failing(orch, spec: Path, failing: dict[str, dict[str, list[str]]], hos
     assert " ".join(" ".join(cause["lines"]).split()) in status, status
     assert {n["host"]: n["state"] for n in detail["node_states"]} == \
         {h: "preflight_failed" if h in failing else "ended" for h in hosts}
-    assert f"fix the nodes, then resume with: orch resume {job['id']}; a problem in the spec itself" in words, out
+    # what to do next: a spec check failing on every node is the spec's (a resume runs the stored spec,
+    # so it gets no resume hint); anything else is fixed on the nodes, then resumed
+    spec_checks = {"python", "workdir", "entrypoint", "network"}
+    in_spec = {c for checks in failing.values() for c in checks if c in spec_checks
+               and all(c in failing.get(h, {}) for h in hosts)}
+    if in_spec:
+        assert f"next: fix the spec ({', '.join(sorted(in_spec))} failed on every node) and run it again as a new " \
+               "job: orch run SPEC; a resume would run the job's stored spec and fail the same way" in words, out
+    else:
+        assert f"then: orch resume {job['id']}" in words, out
+    if in_spec and all(set(checks) <= in_spec for checks in failing.values()):
+        assert "orch resume" not in words, out
     return cause
 
 
@@ -263,11 +274,14 @@ def test_passing_preflight_records_every_check_and_starts_the_ranks(orch, write_
     assert event["passed"] is True
     got = {(n["host"], c["name"]): c["status"] for n in event["nodes"] for c in n["checks"]}
     assert got == {(h, c): "passed" for h in ("node-0", "node-1") for c in
-                   ("python", "deepspeed", "workdir", "entrypoint", "checkpoint_dir", "shared_checkpoint_dir")} | {
-        ("node-0", "master_port"): "passed", ("node-1", "master_port"): "skipped"}
+                   ("python", "deepspeed", "workdir", "entrypoint", "checkpoint_dir", "network",
+                    "shared_checkpoint_dir")} | {("node-0", "master_port"): "passed", ("node-1", "master_port"): "skipped"}
     details = {(n["host"], c["name"]): c["detail"] for n in event["nodes"] for c in n["checks"]}
     assert f"(Python {sys.version_info.major}.{sys.version_info.minor}." in details[("node-0", "python")]
     assert details[("node-1", "deepspeed")].startswith("deepspeed ")
+    # local agents rendezvous on this machine's loopback: that is the interface, and it is said
+    assert details[("node-0", "network")] == ("lo (127.0.0.1) routes to the master 127.0.0.1: GLOO_SOCKET_IFNAME and "
+                                              "NCCL_SOCKET_IFNAME set to lo")
     # the preflight came before any rank, and the ranks then ran
     kinds = [e.kind for e in store.events(job["id"])]
     assert kinds.index("preflight") < kinds.index("ranks_started")
@@ -373,6 +387,17 @@ def test_no_python_executable_missing(state_dir, hostfile, tmp_path) -> None:
     (event,) = _events(store, detail["id"], "preflight")
     skipped = {c["name"] for c in event["nodes"][0]["checks"] if c["status"] == "skipped"}
     assert {"python", "deepspeed"} <= skipped  # no_python: not the spec's Python's business
+
+
+@pytest.mark.integration
+def test_an_interface_the_nodes_lack_fails_the_network_check(orch, write_spec, hostfile, tmp_path) -> None:
+    # the job names gloo's interface itself (it wins over orch's choice), but no node has it
+    fields = _fields(hostfile(TWO_NODES), tmp_path)
+    fields["env"]["GLOO_SOCKET_IFNAME"] = "orch-nonesuch0"
+    spec = write_spec(**fields)
+    why = ["GLOO_SOCKET_IFNAME=orch-nonesuch0 (the job's environment) names orch-nonesuch0, which this node has no "
+           "interface of (its interfaces: ", "lo"]
+    _run_failing(orch, spec, {h: {"network": why} for h in ("node-0", "node-1")}, ["node-0", "node-1"])
 
 
 @pytest.mark.integration

@@ -48,10 +48,9 @@ pytestmark = pytest.mark.integration
 EXAMPLES = ROOT / "examples"
 TINY = ["--n-layer", "1", "--d-model", "32", "--n-head", "2", "--seq-len", "32", "--corpus-bytes", "200000",
         "--log-interval", "0"]
-# PATH: the ranks' environment is the Ray worker's with the spec's env on top; DeepSpeed's JIT
-# finds `ninja` on PATH, and only the virtualenv's matches the cached build of prebuild_ops.
-BASE_ENV = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "eth0",
-            "PATH": os.environ["PATH"]}
+# Neither GLOO_SOCKET_IFNAME (each agent names the interface that routes to the master) nor PATH
+# (orch puts the virtualenv's bin, with the `ninja` prebuild_ops used, first on every rank's PATH).
+BASE_ENV = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
 GRACE = 5
 CPUS = 2  # per worker node (the ray4 fixture's default)
 
@@ -360,10 +359,12 @@ def test_address_auto_is_the_cluster_of_RAY_ADDRESS(orch, write_spec, hostfile, 
     assert r.returncode == 0, _out(r)
     reports = _reports(out_dir)
     assert [reports[g]["ip"] for g in (0, 1)] == [cluster.node_ip(1), cluster.node_ip(2)]
+    # without RAY_ADDRESS, auto finds the cluster running here as `ray status` does (its nodes have temp
+    # dirs of their own, so Ray's default one does not name it): from the process table
     del env["RAY_ADDRESS"]
-    r = orch("plan", str(spec), env=env)
-    if not os.path.exists("/tmp/ray/ray_current_cluster"):  # what `ray start --head` leaves on its machine
-        assert r.returncode == 2 and "ray.address is 'auto' but no Ray cluster was started" in r.stderr, _out(r)
+    plan = orch.json("plan", str(spec), env=env)
+    assert plan["master_addr"] == cluster.node_ip(1) and [n["host"] for n in plan["nodes"]] == \
+        [cluster.net.names[1], cluster.net.names[2]], plan
 
 
 @pytest.mark.parametrize("case", ["all", "exclude", "include"])
@@ -552,6 +553,17 @@ def test_lost_node_resumes_on_a_spare_from_the_last_complete_checkpoint(orch, wr
         info, _ = latest_complete(ckpt)
         assert info is not None and info.step % interval == 0 and info.step < steps
 
+        # a plain resume would need the lost node: refused before anything starts, whether Ray noticed
+        # already (no alive node) or not yet (it lists the node, whose raylet no longer answers)
+        t0 = time.monotonic()
+        r = orch("resume", job_id, env=env, timeout=120)
+        words = " ".join(r.stderr.split())
+        assert r.returncode == 2, _out(r)
+        assert f"host {net.names[victim]}" in words and ("has no alive Ray node" in words or
+                                                        "does not answer" in words), words
+        assert f"orch resume JOB --exclude {net.names[victim]}" in words, words
+        assert time.monotonic() - t0 < 15 and len(orch.json("status", job_id)["attempts"]) == 1
+
         # the lost node's Ray node is still dead (Ray may not even know yet): it is excluded, not needed
         r = orch("resume", job_id, "--exclude", net.names[victim], env=env, timeout=300)
         assert r.returncode == 0, _out(r)
@@ -661,6 +673,12 @@ def test_bad_ray_input_is_one_clear_message_and_starts_nothing(orch, write_spec,
         t0 = time.monotonic()
         r = orch(command, str(spec), env=cluster.env(), timeout=60)
         took = time.monotonic() - t0
+        if case == "unreachable" and command == "plan":  # plan shows what it can, and says what it could not check
+            assert r.returncode == 0, _out(r)
+            assert "warning: the hosts were not checked against the Ray cluster: " + needles[0] in \
+                " ".join(r.stderr.split()), r.stderr
+            assert took < 30, took
+            continue
         assert r.returncode == 2, (command, _out(r))
         assert "Traceback" not in r.stderr + r.stdout
         assert r.stderr.startswith("error:") and r.stderr.count("error:") == 1, r.stderr

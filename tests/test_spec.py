@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator.errors import SpecError
-from orchestrator.spec import load_deepspeed_config, load_spec, spec_from_dict
+from orchestrator.spec import load_deepspeed_config, load_spec, pass_through, spec_from_dict
 
 
 def _write(tmp_path: Path, text: str, name: str = "job.yaml") -> Path:
@@ -195,3 +195,25 @@ def test_files_that_are_not_utf8_are_one_clear_error(project: Path) -> None:
     p = _write(project, "name: demo\nentrypoint: train.py\ndeepspeed_config: bin.json\n")
     with pytest.raises(SpecError, match=r"bin.json is not UTF-8 text \(bad byte at offset 0\)"):
         load_deepspeed_config(load_spec(p))
+
+
+def test_env_passthrough_copies_from_the_given_environment_and_env_wins(project: Path) -> None:
+    p = _write(project, "name: demo\nentrypoint: train.py\nenv: {WANDB_MODE: offline}\n"
+                        "env_passthrough: [WANDB_*, HF_TOKEN, 'NODE[01]_ADDR', NOT_SET_ANYWHERE]\n")
+    shell = {"WANDB_API_KEY": "k", "WANDB_MODE": "online", "HF_TOKEN": "t", "NODE0_ADDR": "a", "NODE2_ADDR": "b",
+             "wandb_lower": "no", "OTHER": "o"}
+    spec, copied, unmatched = pass_through(load_spec(p), shell)
+    assert copied == ["HF_TOKEN", "NODE0_ADDR", "WANDB_API_KEY"]  # case-sensitive, whole names
+    assert spec.env == {"WANDB_MODE": "offline", "HF_TOKEN": "t", "NODE0_ADDR": "a", "WANDB_API_KEY": "k"}
+    assert unmatched == ["NOT_SET_ANYWHERE"]
+    assert spec.to_dict()["env_passthrough"] == ["WANDB_*", "HF_TOKEN", "NODE[01]_ADDR", "NOT_SET_ANYWHERE"]
+    assert pass_through(load_spec(p), {})[0].env == {"WANDB_MODE": "offline"}
+
+
+def test_env_passthrough_entries_must_be_names_or_patterns(project: Path) -> None:
+    p = _write(project, "name: demo\nentrypoint: train.py\nenv_passthrough: [OK_*, 'TWO WORDS', '$HOME']\n")
+    with pytest.raises(SpecError) as info:
+        load_spec(p)
+    text = str(info.value)
+    assert "env_passthrough (line 3): expected variable names or shell patterns of them" in text
+    assert "got 'TWO WORDS'" in text  # the first bad entry is named

@@ -17,6 +17,7 @@ import json
 import math
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -40,11 +41,12 @@ EXAMPLES = ROOT / "examples"
 PROBE = ROOT / "tests" / "probe.py"
 TINY = ["--n-layer", "1", "--d-model", "32", "--n-head", "2", "--seq-len", "32", "--corpus-bytes", "200000",
         "--log-interval", "0"]
-# PATH: a login over SSH gets sshd's default PATH, where `ninja` is the system's (1.11), not the
-# virtualenv's (1.13) that prebuild_ops uses; the two keep different build logs, so every switch
-# rebuilds DeepSpeed's shm op (~30 s on 2 cores). The ranks get the test's own PATH instead.
-BASE_ENV = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "eth0",
-            "PATH": os.environ["PATH"]}
+# Neither GLOO_SOCKET_IFNAME (each agent names the interface that routes to the master) nor PATH
+# (orch puts the virtualenv's bin, with the `ninja` prebuild_ops used, first on every rank's PATH):
+# a login over SSH gets sshd's default environment, as a user's job does.
+BASE_ENV = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+# the tests' private DeepSpeed op cache (conftest) reaches the ranks the way a user's variables do
+PASSTHROUGH = ["TORCH_EXTENSIONS_DIR"]
 GRACE = 5
 
 
@@ -75,7 +77,7 @@ def _train_spec(write_spec, hostfile, net: Any, tmp_path: Path, *, steps: int, i
         workdir=str(EXAMPLES), entrypoint="train_gpt.py",
         args=["--steps", str(steps), "--checkpoint-interval", str(interval), *TINY],
         deepspeed_config=config, checkpoint_dir=str(tmp_path / f"ckpt-{name}"), ssh=_ssh(net), env=dict(BASE_ENV),
-        stop_grace_seconds=GRACE)
+        env_passthrough=PASSTHROUGH, stop_grace_seconds=GRACE)
     fields.update(extra)
     return write_spec(**fields)
 
@@ -86,7 +88,8 @@ def _probe_spec(write_spec, hostfile, net: Any, out_dir: Path, *, name: str = "p
     fields = dict(
         name=name, hostfile=str(hosts_path), provisioner="ssh", launcher="pdsh",
         entrypoint=str(PROBE), ssh=_ssh(net),
-        env={**BASE_ENV, "PROBE_OUT_DIR": str(out_dir), **(env or {})}, stop_grace_seconds=GRACE)
+        env={**BASE_ENV, "PROBE_OUT_DIR": str(out_dir), **(env or {})}, env_passthrough=PASSTHROUGH,
+        stop_grace_seconds=GRACE)
     if workdir is not None:
         fields["workdir"] = str(workdir)
     fields.update(extra)
@@ -296,6 +299,77 @@ def test_env_values_reach_every_rank_byte_for_byte_and_no_shell_runs_them(orch, 
     _assert_hosts_clean(net3)
 
 
+def test_the_collectives_interface_is_the_one_that_reaches_the_master(orch, write_spec, hostfile, net3,
+                                                                       tmp_path) -> None:
+    # every namespace host's hostname resolves to loopback, so gloo left to itself would listen there
+    # (remote=[127.0.0.1]); nothing in the spec or the environment names the interface
+    assert "GLOO_SOCKET_IFNAME" not in os.environ and "NCCL_SOCKET_IFNAME" not in os.environ
+    out_dir = tmp_path / "chosen"
+    r = orch("run", str(_probe_spec(write_spec, hostfile, net3, out_dir)), timeout=120)
+    assert r.returncode == 0, _out(r)
+    reports = {int(p.stem[4:]): json.loads(p.read_text()) for p in out_dir.glob("rank*.json")}
+    assert sorted(reports) == [0, 1, 2]
+    for rank, report in reports.items():
+        assert report["env"]["GLOO_SOCKET_IFNAME"] == "eth0" and report["env"]["NCCL_SOCKET_IFNAME"] == "eth0", rank
+        assert report["env"]["PATH"].split(os.pathsep)[0] == os.path.dirname(sys.executable)  # the venv's bin first
+        # a variable of this shell reaches the ranks over SSH because the spec names it in env_passthrough
+        assert report["env"]["TORCH_EXTENSIONS_DIR"] == os.environ["TORCH_EXTENSIONS_DIR"]
+    (job,) = orch.json("list")
+    started = {e.data["node_rank"]: e.data["network"] for e in _store(orch).events(job["id"]) if e.kind == "ranks_started"}
+    for i in range(3):
+        assert started[i]["detail"] == (f"eth0 ({net3.addresses[i]}) routes to the master {net3.addresses[0]}: "
+                                        "GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME set to eth0"), started[i]
+
+    # the job's own value wins (an NCCL exclusion list, which names no one interface); gloo's is still chosen
+    out_dir = tmp_path / "own"
+    spec = _probe_spec(write_spec, hostfile, net3, out_dir, name="own", env={"NCCL_SOCKET_IFNAME": "^docker,lo"})
+    r = orch("run", str(spec), timeout=120)
+    assert r.returncode == 0, _out(r)
+    for p in out_dir.glob("rank*.json"):
+        env = json.loads(p.read_text())["env"]
+        assert env["NCCL_SOCKET_IFNAME"] == "^docker,lo" and env["GLOO_SOCKET_IFNAME"] == "eth0", p.name
+
+
+@pytest.mark.parametrize("case", ["loopback master", "loopback interface", "no route"])
+def test_a_network_that_cannot_work_fails_the_preflight_naming_it(orch, write_spec, hostfile, net3, tmp_path,
+                                                                  case) -> None:
+    out_dir = tmp_path / "probe"
+    if case == "loopback master":  # every node would rendezvous with itself
+        spec = _probe_spec(write_spec, hostfile, net3, out_dir, master_addr="127.0.0.1")
+        why = ["the master address 127.0.0.1 (127.0.0.1) is a loopback address on this node, and the job spans "
+               "hosts: the other nodes cannot reach it; set master_addr to node 0's address"]
+    elif case == "loopback interface":  # the job's own choice is checked too
+        spec = _probe_spec(write_spec, hostfile, net3, out_dir, env={"GLOO_SOCKET_IFNAME": "lo"})
+        why = ["GLOO_SOCKET_IFNAME=lo is a loopback interface, and the job spans hosts"]
+    else:  # the hosts have no route there
+        spec = _probe_spec(write_spec, hostfile, net3, out_dir, master_addr="203.0.113.7")
+        why = ["no interface reaches the master address 203.0.113.7: Network is unreachable"]
+        if _resolves_to_loopback(socket.gethostname()):  # namespaces share the machine's /etc/hosts and name
+            why.append("resolves to 127.")
+    r = orch("run", str(spec), timeout=120)
+    assert r.returncode == 1, _out(r)
+    (job,) = orch.json("list")
+    detail = orch.json("status", job["id"])
+    cause = detail["cause"]
+    assert cause["kind"] == "preflight_failed" and cause["nodes"] == net3.names, cause
+    assert {(f["node"], f["check"]) for f in cause["failures"]} == {(h, "network") for h in net3.names}, cause
+    for f in cause["failures"]:
+        assert all(w in f["message"] for w in why), (why, f["message"])
+    shown = " ".join(r.stdout.split())
+    assert "next: fix the spec (network failed on every node) and run it again as a new job" in shown, shown
+    assert "orch resume" not in shown, shown
+    assert not out_dir.exists() or list(out_dir.iterdir()) == []  # no rank started
+    assert_no_leftovers(job["id"], timeout=1)
+    _assert_hosts_clean(net3)
+
+
+def _resolves_to_loopback(name: str) -> bool:
+    try:
+        return socket.gethostbyname(name).startswith("127.")
+    except OSError:
+        return False
+
+
 # --------------------------------------------------------------------------- 3. per-host errors
 
 def _unauthorized_key(tmp_path: Path) -> Path:
@@ -379,8 +453,38 @@ def test_refused_key_on_every_host_names_every_host(orch, write_spec, hostfile, 
     out_dir = tmp_path / "probe"
     spec = _probe_spec(write_spec, hostfile, net3, out_dir, ssh=_ssh(net3, identity_file=str(bad)))
     r = orch("run", str(spec), timeout=120)
-    _assert_provision_failed(orch, r, out_dir, {h: ["refused the login as root", str(bad)] for h in net3.names},
-                             net3)
+    detail = _assert_provision_failed(orch, r, out_dir, {h: ["refused the login as root", str(bad)]
+                                                         for h in net3.names}, net3)
+    # one finding, one line naming every host it is true of: which key was tried, where its public half goes
+    (line,) = detail["cause"]["lines"]
+    hosts = ", ".join(f"{h} (node {i})" for i, h in enumerate(net3.names))
+    assert line == (f"{hosts}: refused the login as root (Authentication failed); tried the identity file(s) {bad}; "
+                    "the host accepts a key whose public half is in ~root/.ssh/authorized_keys there (or sshd's "
+                    "AuthorizedKeysFile)"), line
+    shown = " ".join(r.stdout.split())
+    assert " ".join(line.split()) in shown, shown
+    assert "next: fix the node(s) first" in shown and f"orch resume {detail['id']} --exclude {','.join(net3.names)}" \
+        in shown, shown
+
+
+def test_no_key_at_all_says_which_keys_were_looked_for(orch, write_spec, hostfile, net3, tmp_path) -> None:
+    # no identity file, no ~/.ssh key, no ssh agent: paramiko's own words are "No authentication methods
+    # available"; orch says what it looked for and where the key is expected
+    home = tmp_path / "home"
+    home.mkdir()
+    out_dir = tmp_path / "probe"
+    p = net3.client_params()
+    spec = _probe_spec(write_spec, hostfile, net3, out_dir, ssh={"user": p["user"], "known_hosts": p["known_hosts"]})
+    env = {k: v for k, v in os.environ.items() if k != "SSH_AUTH_SOCK"}
+    env["HOME"] = str(home)
+    r = orch("run", str(spec), timeout=120, env=env, replace_env=True)
+    why = ["no key to log in as root with: ssh.identity_file is unset and none of ~/.ssh/id_rsa, ~/.ssh/id_ecdsa, "
+           "~/.ssh/id_ed25519 exists, and no ssh agent runs (SSH_AUTH_SOCK is unset). Give ssh.identity_file (or "
+           "IdentityFile in ~/.ssh/config), or create a key (ssh-keygen -t ed25519); its public half belongs in "
+           "~root/.ssh/authorized_keys on the host"]
+    detail = _assert_provision_failed(orch, r, out_dir, {h: why for h in net3.names}, net3)
+    assert len(detail["cause"]["lines"]) == 1, detail["cause"]["lines"]
+    assert "No authentication methods available" not in r.stdout + r.stderr
 
 
 def test_python_missing_on_the_nodes_fails_provisioning(orch, write_spec, hostfile, net3, tmp_path) -> None:
@@ -541,6 +645,9 @@ def test_node_loss_mid_training_fails_fast_and_leaves_nothing(orch, write_spec, 
             assert cause["first_symptom"] == first
         assert detect_s < 5, f"node loss detected after {detect_s:.2f} s"
         assert f"cause: {cause['message']}" in " ".join(out.split()), out[-2000:]
+        # the hint leaves the lost node out (a plain resume would try to reach it again)
+        assert f"next: resume without the lost node: orch resume {job_id} --exclude {net3.names[victim]} " \
+            in " ".join(out.split()), out[-2000:]
         if fault == "cut_link":
             # the cut host cannot be told: its agent stops its ranks once the controller's lease runs out
             assert_no_leftovers(job_id, timeout=lease + GRACE + 10)

@@ -238,6 +238,8 @@ def test_a_failed_job_shows_its_cause_and_the_failed_ranks_log(server, browser, 
 
     badge = driver.find_element("css selector", "#job-header .badge")
     assert badge.text == "FAILED" and _is_red(badge.value_of_css_property("background-color"))
+    (step,) = driver.find_elements("css selector", "#job-header .next-step")
+    assert step.text.startswith(f"next: resume from the last complete checkpoint: orch resume {job_id}"), step.text
     cause = wait_for(lambda: driver.find_elements("css selector",
                                                   '#attempts-table tr.attempt[data-attempt="1"] .cause'), 10,
                      "the attempt's cause")[0]

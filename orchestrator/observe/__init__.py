@@ -4,8 +4,9 @@ and dashboard show.
 May import: ``orchestrator.errors``, ``orchestrator.store``.
 """
 
+from .hints import next_steps
 from .metrics import ControllerMetrics, TargetsWriter, attempt_targets, default_targets_dir
 from .views import job_detail, job_summary, log_path, node_rows, progress_of, rank_rows, read_log
 
 __all__ = ["ControllerMetrics", "TargetsWriter", "attempt_targets", "default_targets_dir", "job_summary",
-           "job_detail", "rank_rows", "node_rows", "read_log", "progress_of", "log_path"]
+           "job_detail", "next_steps", "rank_rows", "node_rows", "read_log", "progress_of", "log_path"]

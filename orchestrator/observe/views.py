@@ -17,6 +17,7 @@ from typing import Any
 
 from ..errors import NotFoundError
 from ..store import AttemptRecord, JobRecord, Store
+from .hints import next_steps
 
 __all__ = ["job_summary", "job_detail", "rank_rows", "node_rows", "read_log", "progress_of", "log_path"]
 
@@ -184,6 +185,7 @@ def job_detail(store: Store, job_id: str) -> dict[str, Any]:
     else:
         d["ranks"] = []
         d["node_states"] = []
+    d["next_steps"] = next_steps(d)
     return d
 
 

@@ -134,6 +134,12 @@ class NodePlan:
         metrics_dir: node-local directory of the attempt's metrics files, or None.
         deepspeed_monitor_dir: where DeepSpeed's CSV monitor writes rank 0's files (on the
             node of global rank 0, when orch manages the DeepSpeed config), or None.
+        path_prepend: a directory the agent puts first on every rank's ``PATH`` unless it is on it
+            already: the ranks' Python's (a virtualenv's ``bin``, where DeepSpeed's JIT build finds
+            ``ninja``), unless the spec's ``prepend_python_bin`` is off; or None.
+        master: ``{"addr", "port", "spans_hosts"}``: the rendezvous point, and whether the job's
+            nodes are on more than one machine (any provisioner but ``local``, with two nodes or
+            more). The agent picks the interface of the ranks' collectives by it (``agents.network``).
     """
 
     node_rank: int
@@ -147,6 +153,8 @@ class NodePlan:
     metrics_port: int | None = None
     metrics_dir: str | None = None
     deepspeed_monitor_dir: str | None = None
+    master: Mapping[str, Any] | None = None
+    path_prepend: str | None = None
 
     def to_dict(self) -> dict:
         """JSON-able form (what the agent receives in its ``start`` message)."""
@@ -154,7 +162,8 @@ class NodePlan:
                 "ranks": [r.to_dict() for r in self.ranks], "workdir": self.workdir,
                 "log_dir": self.log_dir, "agent_store": dict(self.agent_store) if self.agent_store else None,
                 "env_defaults": dict(self.env_defaults), "metrics_port": self.metrics_port,
-                "metrics_dir": self.metrics_dir, "deepspeed_monitor_dir": self.deepspeed_monitor_dir}
+                "metrics_dir": self.metrics_dir, "deepspeed_monitor_dir": self.deepspeed_monitor_dir,
+                "master": dict(self.master) if self.master else None, "path_prepend": self.path_prepend}
 
 
 @dataclass(frozen=True)
@@ -346,6 +355,9 @@ def make_plan(spec: JobSpec, pool: ResourcePool, inputs: PlanInputs) -> JobPlan:
     ds_config, monitor_dir = _with_monitor(inputs.deepspeed_config, metrics_dir)
     if inputs.resume_tag and inputs.resume_universal_from:
         ds_config = _with_load_universal(ds_config)
+    master = {"addr": ctx.master_addr, "port": ctx.master_port,
+              "spans_hosts": spec.provisioner != "local" and len(pool.nodes) > 1}
+    path_prepend = os.path.dirname(inputs.python) if spec.prepend_python_bin and os.path.isabs(inputs.python) else None
     nodes = []
     for node_rank, (host, slots) in enumerate(pool.nodes):
         extra = orch_env(spec, inputs, node_rank, host)
@@ -358,7 +370,8 @@ def make_plan(spec: JobSpec, pool: ResourcePool, inputs: PlanInputs) -> JobPlan:
         nodes.append(NodePlan(node_rank, host, tuple(slots), ranks, spec.workdir, log_dir,
                               {"addr": store[0], "port": store[1]} if store else None, defaults,
                               _metrics_port(spec, pool, node_rank), metrics_dir,
-                              monitor_dir if any(r.global_rank == 0 for r in ranks) else None))
+                              monitor_dir if any(r.global_rank == 0 for r in ranks) else None, master,
+                              path_prepend))
     shown = replace(ctx, exports={**exports, **spec.env})  # what the real tool would export
     return JobPlan(
         job_id=inputs.job_id, job_name=spec.name, attempt=inputs.attempt, launcher=launcher.name,

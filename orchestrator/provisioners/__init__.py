@@ -23,8 +23,11 @@ if TYPE_CHECKING:
 __all__ = ["AgentHandle", "Provisioner", "LocalProvisioner", "get_provisioner"]
 
 
-def get_provisioner(name: str, spec: "JobSpec | None" = None) -> Provisioner:
+def get_provisioner(name: str, spec: "JobSpec | None" = None, look_only: bool = False) -> Provisioner:
     """Return the provisioner called ``name``, configured from ``spec`` (its ``python``, ``ssh``).
+
+    ``look_only``: for ``orch plan``, which starts nothing (a Ray provisioner then reads the cluster
+    without joining it, and starts no Ray).
 
     Raises:
         ProvisionError: the provisioner is not available in this version.
@@ -37,6 +40,7 @@ def get_provisioner(name: str, spec: "JobSpec | None" = None) -> Provisioner:
     if name == "ray":
         from ..spec import RayOptions
         from .ray import RayProvisioner
-        return RayProvisioner(spec.ray if spec is not None else RayOptions(), spec.python if spec is not None else None)
+        return RayProvisioner(spec.ray if spec is not None else RayOptions(), spec.python if spec is not None else None,
+                              look_only=look_only)
     raise ProvisionError(f"provisioner '{name}' is not available in this version of orch; "
                          "use provisioner: local")

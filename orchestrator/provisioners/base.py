@@ -62,6 +62,10 @@ class Provisioner(ABC):
             ProvisionError: naming every such host and why.
         """
 
+    def plan_notes(self) -> tuple[str, ...]:
+        """What this provisioner could not check while only looking (``orch plan``), for the plan's warnings."""
+        return ()
+
     def discover(self) -> "collections.OrderedDict[str, int] | None":
         """The hosts and slots to use when the spec names no hostfile, or None (then: localhost)."""
         return None

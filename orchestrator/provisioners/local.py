@@ -94,7 +94,8 @@ class LocalProvisioner(Provisioner):
                                         start_new_session=True)
         except OSError as err:
             raise ProvisionError(f"Cannot start the agent for node {node.node_rank} ({node.host}): "
-                                 f"{err.strerror or err}.") from err
+                                 f"{err.strerror or err}.", reason=f"cannot start the agent: {err.strerror or err}") \
+                from err
         return LocalAgent(node, proc, events, log_path)
 
     def sweep(self, plan: JobPlan) -> list[int]:

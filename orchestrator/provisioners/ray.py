@@ -26,6 +26,7 @@ killed at its end, so the cluster is left clean.
 from __future__ import annotations
 
 import collections
+import ipaddress
 import os
 import queue
 import socket
@@ -38,6 +39,7 @@ from agents.ray_actor import EOF_LINE, make_actor_class
 
 from ..errors import ProvisionError
 from ..planning import JobPlan, NodePlan, ResourcePool
+from . import ray_access
 from .base import AgentHandle, Provisioner
 
 __all__ = ["RayProvisioner", "RayAgent", "connect", "match_node"]
@@ -50,9 +52,14 @@ _CONNECTED: dict[str, Any] = {}
 def connect(address: str, timeout: float = 30.0) -> Any:
     """Connect this process to the Ray cluster at ``address`` once; return the ``ray`` module.
 
+    ``local`` starts a one-node Ray here (shut down, and its session directory removed, when this
+    process exits); ``auto`` and ``host:port`` join a running cluster, in Ray's token mode where a
+    token is available (:mod:`.ray_access`), after reading its GCS once, so a refused token is one
+    clear error at once instead of Ray's 20 s of retries.
+
     Raises:
-        ProvisionError: the address cannot be reached, or this process is already
-            connected to another cluster.
+        ProvisionError: the address cannot be reached or refuses this controller's token, or this
+            process is already connected to another cluster.
     """
     with _CONNECT_LOCK:
         import ray
@@ -61,9 +68,10 @@ def connect(address: str, timeout: float = 30.0) -> Any:
                 raise ProvisionError(f"this orch process is connected to the Ray cluster at "
                                      f"{_CONNECTED['address']}; it cannot also use {address}")
             return ray
-        target = _resolve_address(address)
-        if target not in ("local", None) and not target.startswith("ray://"):
-            _check_reachable(target, timeout)
+        target = ray_access.resolve_address(address)
+        joining = target != "local" and not target.startswith("ray://")
+        if joining:
+            ray_access.check_reachable(target, timeout)
         kwargs: dict[str, Any] = {"namespace": NAMESPACE, "log_to_driver": False, "configure_logging": False}
         if target == "local":
             kwargs.update(include_dashboard=False, num_cpus=os.cpu_count())
@@ -71,11 +79,19 @@ def connect(address: str, timeout: float = 30.0) -> Any:
             kwargs["address"] = target
         before = dict(os.environ)
         try:
-            ray.init(**kwargs)
-        except Exception as err:  # ray raises ConnectionError, RuntimeError, ValueError...
-            raise ProvisionError(f"cannot connect to the Ray cluster at {address}: {err}") from err
+            with ray_access.token_auth() as (token_mode, how):
+                try:
+                    if joining:
+                        ray_access.gcs_nodes(target, min(timeout, 10.0))
+                    ray.init(**kwargs)
+                except Exception as err:  # ray raises ConnectionError, RuntimeError, ValueError...
+                    if ray_access.is_auth_error(err):
+                        raise ProvisionError(ray_access.auth_message(target, token_mode, how)) from err
+                    raise ProvisionError(f"cannot connect to the Ray cluster at {address}: {err}") from err
         finally:
             _restore_environ(before)
+        if target == "local":
+            ray_access.remove_session_on_exit(ray)
         _CONNECTED["address"] = address
         return ray
 
@@ -91,46 +107,27 @@ def _restore_environ(before: dict[str, str]) -> None:
             os.environ[key] = value
 
 
-def _resolve_address(address: str) -> str | None:
-    if address != "auto":
-        return address
-    env = os.environ.get("RAY_ADDRESS")
-    if env:
-        return env
-    current = "/tmp/ray/ray_current_cluster"
-    try:
-        with open(current) as f:
-            return f.read().strip()
-    except OSError:
-        raise ProvisionError("ray.address is 'auto' but no Ray cluster was started on this machine (no "
-                             f"{current}) and $RAY_ADDRESS is unset; start one with `ray start --head`, or set "
-                             "ray.address") from None
-
-
-def _check_reachable(target: str, timeout: float) -> None:
-    host, _, port = target.rpartition(":")
-    try:
-        with socket.create_connection((host, int(port)), timeout=min(timeout, 10.0)):
-            pass
-    except (OSError, ValueError) as err:
-        raise ProvisionError(f"cannot reach the Ray cluster at {target}: "
-                             f"{getattr(err, 'strerror', None) or err}") from err
-
-
-def _alive_nodes(ray: Any) -> list[dict[str, Any]]:
-    return [n for n in ray.nodes() if n.get("Alive")]
-
-
 def _slots_of(node: dict[str, Any]) -> int:
     res = node.get("Resources", {})
     return int(res.get("GPU", 0)) or int(res.get("CPU", 0))
 
 
+def _is_loopback_name(host: str) -> bool:
+    """Whether ``host`` means this machine by a loopback address (``localhost``, ``127.0.0.1``, ``::1``)."""
+    try:
+        ips = {info[4][0] for info in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)}
+    except socket.gaierror:
+        return False
+    return bool(ips) and all(ipaddress.ip_address(ip.split("%")[0]).is_loopback for ip in ips)
+
+
 def match_node(host: str, nodes: list[dict[str, Any]]) -> dict[str, Any] | None:
     """The Ray node (an entry of ``ray.nodes()``) a hostfile host stands for, or None.
 
-    By address (``NodeManagerAddress == host``), else by what ``host`` resolves to here,
-    else by hostname (``NodeManagerHostname == host``) when exactly one node has it.
+    By address (``NodeManagerAddress == host``), else by what ``host`` resolves to here, else by
+    hostname (``NodeManagerHostname == host``) when exactly one node has it. A loopback name
+    (``localhost``) is the one node on this machine: the node whose address is an address of this
+    machine's interfaces.
     """
     by_ip = {n["NodeManagerAddress"]: n for n in nodes}
     if host in by_ip:
@@ -143,7 +140,13 @@ def match_node(host: str, nodes: list[dict[str, Any]]) -> dict[str, Any] | None:
         if ip in by_ip:
             return by_ip[ip]
     named = [n for n in nodes if n.get("NodeManagerHostname") == host]
-    return named[0] if len(named) == 1 else None
+    if len(named) == 1:
+        return named[0]
+    if _is_loopback_name(host):
+        here = ray_access.local_addresses()
+        local = [n for n in nodes if n["NodeManagerAddress"] in here]
+        return local[0] if len(local) == 1 else None
+    return None
 
 
 class RayAgent(AgentHandle):
@@ -221,17 +224,22 @@ class RayProvisioner(Provisioner):
     Args:
         options: the spec's ``ray`` section.
         python: interpreter of the agents (the spec's ``python``; default: the Ray worker's).
+        look_only: for ``orch plan``: start nothing and join nothing. The nodes are read from the
+            cluster's GCS when one is up (``local``: the one node a Ray started here would have); what
+            cannot be checked is said in :meth:`plan_notes`.
     """
 
     name = "ray"
 
-    def __init__(self, options: Any, python: str | None = None) -> None:
+    def __init__(self, options: Any, python: str | None = None, look_only: bool = False) -> None:
         self.options = options
         self.python = python
+        self.look_only = look_only
         self.max_parallel = 64
         self._ray: Any = None
         self._node_of: dict[str, dict[str, Any]] = {}
         self._actors: dict[int, Any] = {}
+        self._notes: list[str] = []
 
     @property
     def ray(self) -> Any:
@@ -239,17 +247,29 @@ class RayProvisioner(Provisioner):
             self._ray = connect(self.options.address, self.options.connect_timeout)
         return self._ray
 
+    def plan_notes(self) -> tuple[str, ...]:
+        return tuple(self._notes)
+
     # -- nodes --------------------------------------------------------------------------------
+
+    def _nodes(self) -> list[dict[str, Any]]:
+        """The cluster's alive nodes: from the driver once connected; looking only, from the GCS (or, for
+        ``local``, the node a Ray started here would be)."""
+        if not self.look_only:
+            return [n for n in self.ray.nodes() if n.get("Alive")]
+        if self.options.address == "local":
+            return [_local_node_preview()]
+        return [n for n in ray_access.read_nodes(self.options.address, self.options.connect_timeout) if n["Alive"]]
 
     def discover(self) -> "collections.OrderedDict[str, int]":
         """The pool of a job without a hostfile: ``{node address: slots}`` of the alive nodes that can
         run work, in the order Ray lists them.
 
         Raises:
-            ProvisionError: the cluster has no such node.
+            ProvisionError: the cluster has no such node, or (looking only) cannot be read.
         """
         hosts = collections.OrderedDict()
-        for node in _alive_nodes(self.ray):
+        for node in self._nodes():
             if _slots_of(node) > 0:
                 hosts[node["NodeManagerAddress"]] = _slots_of(node)
         if not hosts:
@@ -257,18 +277,26 @@ class RayProvisioner(Provisioner):
         return hosts
 
     def check(self, pool: ResourcePool) -> None:
-        """Map every host of the pool to an alive Ray node with enough CPUs/GPUs for its slots.
+        """Map every host of the pool to an alive Ray node with enough CPUs/GPUs for its slots, whose
+        raylet answers (a node Ray still lists as alive may be gone: Ray notices after 15-60 s).
 
         Raises:
-            ProvisionError: naming every host without a node, sharing a node, or short of slots.
+            ProvisionError: naming every host without a node, sharing a node, short of slots or gone.
         """
-        nodes = _alive_nodes(self.ray)
-        problems, seen = [], {}
+        try:
+            nodes = self._nodes()
+        except ProvisionError as err:
+            if not self.look_only:
+                raise
+            self._notes.append(f"the hosts were not checked against the Ray cluster: {err}")
+            return
+        problems, seen, gone = [], {}, []
         for host, slots in pool.nodes:
             node = match_node(host, nodes)
             if node is None:
                 alive = ", ".join(f"{n['NodeManagerAddress']} ({n.get('NodeManagerHostname')})" for n in nodes)
                 problems.append(f"host {host} has no alive Ray node (alive nodes: {alive or 'none'})")
+                gone.append(host)
                 continue
             if node["NodeID"] in seen:
                 problems.append(f"hosts {seen[node['NodeID']]} and {host} are the same Ray node "
@@ -281,12 +309,26 @@ class RayProvisioner(Provisioner):
                 problems.append(f"host {host} (Ray node {node['NodeManagerAddress']}) has {have} {kind}s; "
                                 f"the plan needs {len(slots)} slot(s) there")
             self._node_of[host] = node
+        for node_id, why in ray_access.unreachable_nodes([self._node_of[h] for h in seen.values()]).items():
+            host = seen[node_id]
+            problems.append(f"host {host}: Ray still lists its node {self._node_of[host]['NodeManagerAddress']} as "
+                            f"alive, but {why}: the node is gone")
+            gone.append(host)
         if problems:
-            raise ProvisionError("Cannot place the job on the Ray cluster:\n  " + "\n  ".join(problems))
+            hint = (f"\n  (a job that ran there continues without them: orch resume JOB --exclude {','.join(gone)})"
+                    if gone else "")
+            raise ProvisionError("Cannot place the job on the Ray cluster:\n  " + "\n  ".join(problems) + hint)
 
     def master_addr(self, host: str) -> str:
-        node = self._node_of.get(host) or match_node(host, _alive_nodes(self.ray))
+        node = self._node_of.get(host)
         if node is None:
+            try:
+                node = match_node(host, self._nodes())
+            except ProvisionError:
+                node = None
+        if node is None:
+            if self.look_only:
+                return host
             raise ProvisionError(f"host {host} has no alive Ray node")
         return str(node["NodeManagerAddress"])
 
@@ -296,9 +338,9 @@ class RayProvisioner(Provisioner):
                     events: "queue.Queue[tuple[int, dict]]") -> AgentHandle:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
         ray = self.ray
-        info = self._node_of.get(node.host) or match_node(node.host, _alive_nodes(ray))
+        info = self._node_of.get(node.host) or match_node(node.host, self._nodes())
         if info is None:
-            raise ProvisionError(f"host {node.host} has no alive Ray node")
+            raise ProvisionError(f"host {node.host} has no alive Ray node", reason="no alive Ray node")
         gpu = bool(info.get("Resources", {}).get("GPU", 0))
         actor_class = make_actor_class(ray)
         log_dir = os.path.join(plan.run_dir, "agents")
@@ -312,7 +354,8 @@ class RayProvisioner(Provisioner):
                      {"ORCH_AGENT_ATTEMPT_ID": plan.attempt_id, "ORCH_AGENT_NODE_RANK": str(node.node_rank)},
                      os.path.join(log_dir, f"node-{node.node_rank}.log"))
         except Exception as err:  # noqa: BLE001
-            raise ProvisionError(f"cannot place the agent actor on {node.host}: {err}") from err
+            raise ProvisionError(f"cannot place the agent actor on {node.host}: {err}",
+                                 reason=f"cannot place the agent actor: {err}") from err
         self._actors[node.node_rank] = actor
         return RayAgent(ray, node, actor, events)
 
@@ -351,3 +394,16 @@ class RayProvisioner(Provisioner):
         for node_rank in list(self._actors):
             self.forget(node_rank)
 
+
+def _local_node_preview() -> dict[str, Any]:
+    """The node a Ray started here (``address: local``) would have, without starting it: Ray's own
+    choice of the node address, this machine's CPUs (as ``connect`` gives them) and its GPUs."""
+    gpus = 0
+    try:
+        from ray._private.accelerators import get_accelerator_manager_for_resource
+        gpus = int(get_accelerator_manager_for_resource("GPU").get_current_node_num_accelerators() or 0)
+    except Exception:  # noqa: BLE001 - no accelerator support: CPUs only
+        gpus = 0
+    resources = {"CPU": float(os.cpu_count() or 1), **({"GPU": float(gpus)} if gpus else {})}
+    return {"NodeID": "(a Ray started here for the job)", "Alive": True, "NodeManagerAddress": ray_access.local_node_ip(),
+            "NodeManagerHostname": socket.gethostname(), "NodeManagerPort": None, "Resources": resources}

@@ -102,10 +102,14 @@ class _Reject(paramiko.MissingHostKeyPolicy):
         self.target = target
 
     def missing_host_key(self, client: paramiko.SSHClient, hostname: str, key: paramiko.PKey) -> None:
-        raise ProvisionError(
-            f"the host key of {self.target.host} ({hostname}) is unknown: it is not in {self.target.known_hosts}. "
-            f"Add it after checking it (e.g. ssh-keyscan -p {self.target.port} {self.target.hostname} >> "
-            f"{self.target.known_hosts}), or set ssh.host_key_policy: accept-new in the job spec.")
+        t = self.target
+        reason = (f"its host key is unknown: it is not in {t.known_hosts}. Add it after checking it (e.g. "
+                  f"ssh-keyscan -p {t.port} HOST >> {t.known_hosts}), or set ssh.host_key_policy: accept-new in "
+                  "the job spec.")
+        raise ProvisionError(f"the host key of {t.host} ({hostname}) is unknown: it is not in {t.known_hosts}. "
+                             f"Add it after checking it (e.g. ssh-keyscan -p {t.port} {t.hostname} >> "
+                             f"{t.known_hosts}), or set ssh.host_key_policy: accept-new in the job spec.",
+                             reason=reason)
 
 
 class _ChannelStream:
@@ -322,7 +326,6 @@ class SSHProvisioner(Provisioner):
             except (OSError, paramiko.SSHException) as err:
                 raise ProvisionError(f"cannot read known_hosts {t.known_hosts}: {err}") from err
         client.set_missing_host_key_policy(_AcceptNew(t.known_hosts) if t.accept_new else _Reject(t))
-        where = f"{t.hostname}:{t.port}"
         try:
             client.connect(t.hostname, port=t.port, username=t.user, key_filename=list(t.identity_files) or None,
                            look_for_keys=not t.identity_files, allow_agent=True, timeout=t.timeout,
@@ -330,41 +333,10 @@ class SSHProvisioner(Provisioner):
         except ProvisionError:
             client.close()
             raise
-        except paramiko.BadHostKeyException as err:
-            client.close()
-            raise ProvisionError(
-                f"the host key of {t.host} ({where}) has CHANGED: it does not match {t.known_hosts} (someone may be "
-                f"intercepting the connection). If the change is expected, remove the old key (ssh-keygen -R "
-                f"{t.hostname} -f {t.known_hosts}) and add the new one.") from err
-        except paramiko.PasswordRequiredException as err:
-            client.close()
-            raise ProvisionError(f"the key for {t.host} is protected by a passphrase; load it into ssh-agent "
-                                 "(ssh-add) so orch can use it.") from err
-        except paramiko.AuthenticationException as err:
-            client.close()
-            keys = ", ".join(t.identity_files) or "the default keys and the ssh agent"
-            raise ProvisionError(f"{t.host} ({where}) refused the login as {t.user} with {keys}: {err}") from err
-        except socket.gaierror as err:
-            client.close()
-            raise ProvisionError(f"host {t.hostname} does not resolve: {err.strerror}") from err
-        except (socket.timeout, TimeoutError) as err:
-            client.close()
-            raise ProvisionError(f"no answer from {t.host} ({where}) within {t.timeout:.0f} s (host down or "
-                                 "unreachable?)") from err
-        except paramiko.ssh_exception.NoValidConnectionsError as err:  # paramiko wraps refused/unreachable
-            client.close()
-            errors = list(err.errors.values())
-            if errors and all(isinstance(e, ConnectionRefusedError) for e in errors):
-                raise ProvisionError(f"{t.host} ({where}) refused the connection (is sshd running there?)") from err
-            why = "; ".join(sorted({getattr(e, "strerror", None) or str(e) for e in errors})) or str(err)
-            raise ProvisionError(f"cannot connect to {t.host} ({where}): {why}") from err
-        except ConnectionRefusedError as err:
-            client.close()
-            raise ProvisionError(f"{t.host} ({where}) refused the connection (is sshd running there?)") from err
         except (OSError, paramiko.SSHException, EOFError) as err:
             client.close()
-            raise ProvisionError(f"cannot connect to {t.host} ({where}): {getattr(err, 'strerror', None) or err}") \
-                from err
+            reason = _connect_failure(t, err)
+            raise ProvisionError(f"{t.host} ({t.hostname}:{t.port}): {reason}", reason=reason) from err
         return client
 
     def start_agent(self, node: NodePlan, plan: JobPlan,
@@ -389,7 +361,8 @@ class SSHProvisioner(Provisioner):
             channel = client.get_transport().open_session(timeout=t.timeout)
             channel.exec_command(command)
         except (OSError, paramiko.SSHException) as err:
-            raise ProvisionError(f"cannot start the agent on {t.host}: {err}") from err
+            raise ProvisionError(f"cannot start the agent on {t.host}: {err}",
+                                 reason=f"cannot start the agent: {err}") from err
         return SSHAgent(node, t, client, channel, events, os.path.join(log_dir, f"node-{node.node_rank}.log"),
                         python, plan.attempt_id)
 
@@ -420,6 +393,70 @@ class SSHProvisioner(Provisioner):
             client = self._clients.pop(node_rank, None)
         if client is not None:
             threading.Thread(target=_close_quietly, args=(client,), daemon=True).start()  # may block: not here
+
+
+def _connect_failure(t: SSHTarget, err: BaseException) -> str:
+    """Why connecting to or logging in on ``t`` failed, in words without the host's name (nodes that
+    failed alike are reported together), each with what to do."""
+    if isinstance(err, paramiko.BadHostKeyException):
+        return (f"its host key has CHANGED: it does not match {t.known_hosts} (someone may be intercepting the "
+                f"connection). If the change is expected, remove the old key (ssh-keygen -R HOST -f {t.known_hosts}) "
+                "and add the new one.")
+    if isinstance(err, paramiko.PasswordRequiredException):
+        return "the key is protected by a passphrase; load it into ssh-agent (ssh-add) so orch can use it."
+    if isinstance(err, paramiko.AuthenticationException):
+        return f"refused the login as {t.user} ({str(err).rstrip('.')}); {_keys_offered(t)}"
+    if isinstance(err, paramiko.SSHException) and "No authentication methods available" in str(err):
+        return f"no key to log in as {t.user} with: {_keys_offered(t)}"
+    if isinstance(err, socket.gaierror):
+        return f"the name {t.hostname} does not resolve: {err.strerror}"
+    if isinstance(err, (socket.timeout, TimeoutError)):
+        return f"no answer from the host within {t.timeout:.0f} s (host down or unreachable?)"
+    if isinstance(err, paramiko.ssh_exception.NoValidConnectionsError):  # paramiko wraps refused/unreachable
+        errors = list(err.errors.values())
+        if errors and all(isinstance(e, ConnectionRefusedError) for e in errors):
+            return "refused the connection (is sshd running there?)"
+        why = "; ".join(sorted({getattr(e, "strerror", None) or str(e) for e in errors})) or str(err)
+        return f"cannot connect: {why}"
+    if isinstance(err, ConnectionRefusedError):
+        return "refused the connection (is sshd running there?)"
+    return f"cannot connect: {getattr(err, 'strerror', None) or err}"
+
+
+#: The keys paramiko offers when no identity file is given (``SSHClient._auth``, look_for_keys).
+DEFAULT_KEYS = ("~/.ssh/id_rsa", "~/.ssh/id_ecdsa", "~/.ssh/id_ed25519")
+
+
+def _keys_offered(t: SSHTarget) -> str:
+    """Which keys were offered (files and ssh-agent keys) and where the host expects the public half."""
+    if t.identity_files:
+        files = list(t.identity_files)
+        source = "the identity file(s)"
+    else:
+        files = [p for p in (os.path.expanduser(k) for k in DEFAULT_KEYS) if os.path.isfile(p)]
+        source = "the default key(s)"
+    agent = 0
+    if os.environ.get("SSH_AUTH_SOCK"):
+        try:
+            keys = paramiko.Agent()
+            agent = len(keys.get_keys())
+            keys.close()
+        except (OSError, paramiko.SSHException):
+            agent = 0
+    tried = []
+    if files:
+        tried.append(f"{source} {', '.join(files)}")
+    if agent:
+        tried.append(f"{agent} key(s) of the ssh agent")
+    if not tried:
+        looked = "ssh.identity_file is unset and none of " + ", ".join(DEFAULT_KEYS) + " exists"
+        agent_words = "no ssh agent holds a key" if os.environ.get("SSH_AUTH_SOCK") else "no ssh agent runs " \
+            "(SSH_AUTH_SOCK is unset)"
+        return (f"{looked}, and {agent_words}. Give ssh.identity_file (or IdentityFile in ~/.ssh/config), or "
+                f"create a key (ssh-keygen -t ed25519); its public half belongs in ~{t.user}/.ssh/authorized_keys "
+                "on the host")
+    return (f"tried {' and '.join(tried)}; the host accepts a key whose public half is in "
+            f"~{t.user}/.ssh/authorized_keys there (or sshd's AuthorizedKeysFile)")
 
 
 def _close_quietly(client: paramiko.SSHClient) -> None:

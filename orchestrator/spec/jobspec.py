@@ -9,6 +9,7 @@ stored absolute, so a stored spec means the same thing wherever it is read.
 
 from __future__ import annotations
 
+import fnmatch
 import os
 import re
 import shutil
@@ -24,7 +25,7 @@ from .accelerate import AccelerateSettings, read_for_spec
 from .files import line_of, read_deepspeed_config, read_yaml
 
 __all__ = ["JobSpec", "SSHOptions", "RayOptions", "load_spec", "spec_from_dict", "load_deepspeed_config", "PROVISIONERS",
-           "KNOWN_LAUNCHERS", "PreflightOptions"]
+           "KNOWN_LAUNCHERS", "PreflightOptions", "pass_through", "env_pattern_problem"]
 
 #: Provisioners a spec may name (each is implemented in ``orchestrator.provisioners``).
 PROVISIONERS = ("local", "ssh", "ray")
@@ -34,6 +35,7 @@ KNOWN_LAUNCHERS = ("pdsh", "standard", "nossh", "openmpi", "mvapich", "mpich", "
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 _ENV_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_PATTERN_RE = re.compile(r"^[A-Za-z0-9_*?\[\]!-]+$")
 
 
 def _scalar_to_str(value: Any) -> Any:
@@ -197,6 +199,11 @@ class JobSpec(BaseModel):
     exclude_hosts: list[str] = Field(default_factory=list, description="Hosts never to use (e.g. lost "
                                      "nodes, added by `orch resume --exclude`); removed from the hostfile "
                                      "before the filters and num_nodes/num_gpus apply.")
+    env_passthrough: list[str] = Field(default_factory=list, description="Names or shell patterns "
+                                       "(WANDB_*) of variables the `orch` command copies from the shell it runs "
+                                       "in into env when it submits the job; env's own values win.")
+    prepend_python_bin: bool = Field(True, description="Put the directory of the ranks' Python (a "
+                                     "virtualenv's bin) first on every rank's PATH, unless PATH already has it.")
 
     @field_validator("name")
     @classmethod
@@ -224,6 +231,15 @@ class JobSpec(BaseModel):
                                  "(letters, digits and '_', not starting with a digit)")
             out[key] = _scalar_to_str(value)
         return out
+
+    @field_validator("env_passthrough")
+    @classmethod
+    def _env_passthrough(cls, v: list[str]) -> list[str]:
+        for pattern in v:
+            problem = env_pattern_problem(pattern)
+            if problem:
+                raise ValueError(problem)
+        return v
 
     @field_validator("args", mode="before")
     @classmethod
@@ -431,6 +447,35 @@ def _file_problems(spec: JobSpec) -> list[tuple[str, str]]:
         except SpecError as err:
             problems.append(("model_config", str(err)))
     return problems
+
+
+def env_pattern_problem(pattern: str) -> str | None:
+    """What is wrong with an ``env_passthrough`` entry, or None: a variable name or a shell pattern of
+    names (letters, digits and ``_``, with ``*``, ``?`` or ``[...]``)."""
+    if _PATTERN_RE.match(pattern):
+        return None
+    return (f"expected variable names or shell patterns of them (letters, digits, '_', with '*', '?' or [...]), "
+            f"e.g. WANDB_*; got {pattern!r}")
+
+
+def pass_through(spec: JobSpec, environ: Mapping[str, str]) -> tuple[JobSpec, list[str], list[str]]:
+    """Copy the variables ``spec.env_passthrough`` names from ``environ`` (the submitting shell's) into
+    ``env``; a variable ``env`` sets keeps its value there. Patterns are shell patterns
+    (:func:`fnmatch.fnmatchcase`: ``*``, ``?``, ``[...]``), matched against whole names, case-sensitive.
+
+    Returns:
+        ``(the spec with env amended, the names copied (sorted), the patterns that matched nothing)``.
+    """
+    copied: dict[str, str] = {}
+    unmatched = []
+    for pattern in spec.env_passthrough:
+        names = [k for k in environ if fnmatch.fnmatchcase(k, pattern) and _ENV_KEY_RE.match(k)]
+        if not names:
+            unmatched.append(pattern)
+        copied.update({k: environ[k] for k in names if k not in spec.env})
+    if not copied:
+        return spec, [], unmatched
+    return spec.model_copy(update={"env": {**spec.env, **dict(sorted(copied.items()))}}), sorted(copied), unmatched
 
 
 def load_deepspeed_config(spec: JobSpec) -> dict:

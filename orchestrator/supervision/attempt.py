@@ -286,7 +286,8 @@ class AttemptRun:
         self.node_state[node_rank] = "running"
         self.metrics_ports[node_rank] = msg.get("metrics_port")
         self._event("ranks_started", {"node_rank": node_rank, "host": self._host(node_rank),
-                                      "ranks": msg.get("ranks", []), "metrics_port": msg.get("metrics_port")})
+                                      "ranks": msg.get("ranks", []), "metrics_port": msg.get("metrics_port"),
+                                      "network": msg.get("network")})
         if self.state == JobState.PROVISIONING and all(s in ("running", "done") for s in self.node_state.values()):
             self._set(JobState.RUNNING)
             attempt = self.store.get_attempt(self.job_id, self.plan.attempt)

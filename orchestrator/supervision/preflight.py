@@ -31,7 +31,8 @@ from ..spec import JobSpec
 __all__ = ["PreflightRound", "CHECKS", "TOKEN_PREFIX", "token_dir", "skipped_checks"]
 
 #: Every check, in the order results are shown.
-CHECKS = ("python", "deepspeed", "workdir", "entrypoint", "checkpoint_dir", "master_port", "shared_checkpoint_dir")
+CHECKS = ("python", "deepspeed", "workdir", "entrypoint", "checkpoint_dir", "master_port", "network",
+          "shared_checkpoint_dir")
 #: Name prefix of the token directory inside the checkpoint directory (as agents.preflight).
 TOKEN_PREFIX = ".orch-preflight-"
 _LISTED = 8  # hosts named per group of a shared-storage failure before "and N more"

@@ -15,6 +15,8 @@ import shutil
 import sys
 from pathlib import Path
 
+from agents import network
+
 from ..errors import FilterError, HostfileError, SpecError
 from ..launchers.deepspeed import ACCELERATOR_EXPORT_PREFIXES, deepspeed_env_files
 from ..planning import JobPlan, PlanInputs, ResourcePool, load_hostfile, make_plan, resolve_pool
@@ -22,7 +24,7 @@ from ..provisioners import Provisioner, get_provisioner
 from ..spec import JobSpec, job_deepspeed
 from .ports import PortLease, default_lock_dir, reserve_port
 
-__all__ = ["prepare_plan", "checkpoint_dir_of", "rank_python"]
+__all__ = ["prepare_plan", "checkpoint_dir_of", "rank_python", "network_preview"]
 
 
 def checkpoint_dir_of(spec: JobSpec, state_dir: str | Path, job_id: str) -> str:
@@ -70,7 +72,8 @@ def prepare_plan(spec: JobSpec, state_dir: str | Path, job_id: str, *, attempt: 
         job_id: the job's id.
         attempt: 1-based attempt number.
         resume_tag: the checkpoint tag to resume from, or None.
-        hold_port: keep the port reserved (False for ``orch plan``, which only looks).
+        hold_port: keep the port reserved; False for ``orch plan``, which only looks: then nothing is
+            started or joined either (a Ray cluster is read, not joined; no Ray is started).
         resume_universal_from: when ``resume_tag`` is a universal checkpoint, the tag it was
             converted from (see :class:`orchestrator.planning.PlanInputs`).
 
@@ -81,7 +84,7 @@ def prepare_plan(spec: JobSpec, state_dir: str | Path, job_id: str, *, attempt: 
         OrchError: HostfileError, FilterError, SpecError, PlanError, LaunchError, ProvisionError.
     """
     state_dir = Path(state_dir)
-    provisioner = get_provisioner(spec.provisioner, spec)
+    provisioner = get_provisioner(spec.provisioner, spec, look_only=not hold_port)
     pool = _pool(spec, provisioner)
     provisioner.check(pool)
     if attempt == 1:  # a restart that has just used the spare must still run
@@ -101,7 +104,8 @@ def prepare_plan(spec: JobSpec, state_dir: str | Path, job_id: str, *, attempt: 
             controller_env=dict(os.environ), controller_cwd=spec.workdir,
             deepspeed_env_lines=_deepspeed_env_lines(spec.workdir),
             deepspeed_config=job_ds.config, accelerator_exports=_accelerator_exports(),
-            accelerate_env_defaults=job_ds.env_defaults(), config_warnings=job_ds.warnings)
+            accelerate_env_defaults=job_ds.env_defaults(),
+            config_warnings=tuple(job_ds.warnings) + provisioner.plan_notes())
         inputs = dataclasses.replace(inputs, accelerate_env=job_ds.env(inputs.deepspeed_config_path))
         plan = make_plan(spec, pool, inputs)
         return plan, lease
@@ -184,3 +188,24 @@ def _pool(spec: JobSpec, provisioner: Provisioner) -> ResourcePool:
         raise FilterError(f"No slot of hostfile {source} is left after {used or 'the filters'}; "
                           f"the hostfile has {', '.join(hosts)}.")
     return pool
+
+
+def network_preview(plan: JobPlan) -> dict[int, str]:
+    """Each node's interface for the ranks' collectives, as ``orch plan`` can tell it without starting
+    anything: the job's own ``GLOO_SOCKET_IFNAME``/``NCCL_SOCKET_IFNAME``; for local agents (this
+    machine) the interface :func:`agents.network.choose` picks here; on other machines, what the node's
+    agent will choose there (the interface that routes to the master address).
+    """
+    out = {}
+    for node in plan.nodes:
+        env = {**node.env_defaults, **(node.ranks[0].env if node.ranks else {})}
+        user = ", ".join(f"{k}={env[k]}" for k in network.IFNAME_VARS if env.get(k))
+        if plan.provisioner == "local":
+            choice = network.choose({**os.environ, **env}, node.master)
+            out[node.node_rank] = (f"problem: {choice.detail}" if choice.problem else
+                                   f"{choice.ifname} ({choice.address})" + (f", {user}" if user else ""))
+        elif user:
+            out[node.node_rank] = f"{user} (the job's environment)"
+        else:
+            out[node.node_rank] = f"chosen on the node: the one that routes to {plan.master_addr}"
+    return out

@@ -22,7 +22,7 @@ __all__ = ["start_agents", "await_hellos", "provision_failure"]
 
 
 def start_agents(provisioner: Provisioner, plan: JobPlan, events: "queue.Queue[tuple[int, dict]]",
-                 cancelled: threading.Event) -> tuple[dict[int, AgentHandle], dict[int, str]]:
+                 cancelled: threading.Event) -> tuple[dict[int, AgentHandle], dict[int, ProvisionError]]:
     """Start every node's agent in parallel (at most ``provisioner.max_parallel`` at once).
 
     Args:
@@ -32,11 +32,11 @@ def start_agents(provisioner: Provisioner, plan: JobPlan, events: "queue.Queue[t
         cancelled: set when the attempt is cancelled (nodes not started yet are skipped).
 
     Returns:
-        ``(agents, failures)``: node rank -> handle of each started agent; node rank -> reason for
+        ``(agents, failures)``: node rank -> handle of each started agent; node rank -> the error of
         each node whose agent could not be started.
     """
     agents: dict[int, AgentHandle] = {}
-    failures: dict[int, str] = {}
+    failures: dict[int, ProvisionError] = {}
 
     def start(node: Any) -> None:
         if cancelled.is_set():
@@ -44,7 +44,7 @@ def start_agents(provisioner: Provisioner, plan: JobPlan, events: "queue.Queue[t
         try:
             agents[node.node_rank] = provisioner.start_agent(node, plan, events)
         except ProvisionError as err:
-            failures[node.node_rank] = str(err)
+            failures[node.node_rank] = err
 
     workers = max(1, min(len(plan.nodes), getattr(provisioner, "max_parallel", 64)))
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="provision") as pool:
@@ -53,7 +53,8 @@ def start_agents(provisioner: Provisioner, plan: JobPlan, events: "queue.Queue[t
 
 
 def await_hellos(events: "queue.Queue[tuple[int, dict]]", agents: dict[int, AgentHandle], timeout_s: float,
-                 cancelled: threading.Event, on_hello: Callable[[int, dict], None]) -> tuple[dict[int, str], set[int]]:
+                 cancelled: threading.Event,
+                 on_hello: Callable[[int, dict], None]) -> tuple[dict[int, ProvisionError], set[int]]:
     """Wait until every agent said hello; an agent that ends or stays silent is a failure.
 
     Other messages that arrive meanwhile are dropped (agents send nothing else before their plan).
@@ -66,17 +67,18 @@ def await_hellos(events: "queue.Queue[tuple[int, dict]]", agents: dict[int, Agen
         on_hello: called with ``(node rank, message)`` for each hello.
 
     Returns:
-        ``(failures, gone)``: node rank -> reason for each failed node; the nodes whose agent ended.
+        ``(failures, gone)``: node rank -> the error of each failed node; the nodes whose agent ended.
     """
     waiting = set(agents)
-    failures: dict[int, str] = {}
+    failures: dict[int, ProvisionError] = {}
     gone: set[int] = set()
     deadline = time.monotonic() + timeout_s
     while waiting and not cancelled.is_set():
         left = deadline - time.monotonic()
         if left <= 0:
             for n in waiting:
-                failures[n] = f"its agent did not answer within {timeout_s:.0f} s{detail(agents[n].diagnostics())}"
+                failures[n] = ProvisionError(f"its agent did not answer within {timeout_s:.0f} s"
+                                             f"{detail(agents[n].diagnostics())}")
             break
         try:
             node_rank, msg = events.get(timeout=min(left, 0.1))
@@ -88,16 +90,24 @@ def await_hellos(events: "queue.Queue[tuple[int, dict]]", agents: dict[int, Agen
         elif msg.get("type") == "eof" and node_rank in waiting:
             waiting.discard(node_rank)
             gone.add(node_rank)
-            failures[node_rank] = f"its agent ended before it started{detail(agents[node_rank].diagnostics())}"
+            failures[node_rank] = ProvisionError(f"its agent ended before it started"
+                                                 f"{detail(agents[node_rank].diagnostics())}")
     return failures, gone
 
 
-def provision_failure(failures: dict[int, str], plan: JobPlan) -> dict[str, Any]:
-    """The ``provision_failed`` cause: every failed node (host, node rank, reason), the first named."""
-    nodes = [{"node": plan.nodes[n].host, "node_rank": n, "reason": why} for n, why in sorted(failures.items())]
-    listing = "; ".join(f"{f['node']} (node {f['node_rank']}): {f['reason']}" for f in nodes)
+def provision_failure(failures: dict[int, ProvisionError], plan: JobPlan) -> dict[str, Any]:
+    """The ``provision_failed`` cause: every failed node (host, node rank, its own reason) under ``nodes``,
+    and, for people, one line per reason naming every node that failed for it (``lines``, with a
+    ``summary``; ``message`` says both in one sentence)."""
+    nodes = [{"node": plan.nodes[n].host, "node_rank": n, "reason": str(err)} for n, err in sorted(failures.items())]
+    by_reason: dict[str, list[int]] = {}
+    for n, err in sorted(failures.items()):
+        by_reason.setdefault(err.reason, []).append(n)
+    lines = [", ".join(f"{plan.nodes[n].host} (node {n})" for n in ranks) + f": {reason}"
+             for reason, ranks in by_reason.items()]
+    summary = (f"could not start the agent on {len(nodes)} of {len(plan.nodes)} node(s), so no rank was started")
     return {"kind": "provision_failed", "nodes": nodes, "node": nodes[0]["node"], "node_rank": nodes[0]["node_rank"],
-            "message": f"could not start the agent on {len(nodes)} node(s): {listing}"}
+            "lines": lines, "summary": summary, "message": f"{summary}: " + "; ".join(lines)}
 
 
 def detail(text: str) -> str:

@@ -12,17 +12,19 @@ from rich.text import Text
 
 from .backends import HttpBackend, StoreBackend, find_server, pick_backend, state_dir_of
 from .follow import follow_embedded
-from .options import load_job
+from .options import load_job, report_shell_env
 from .output import UsageError, console, emit_detail, err_console, print_json
 from .render import start_checkpoint
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from ...supervision import prepare_plan
+    from ...supervision.prepare import network_preview, prepare_plan
     spec = load_job(args)
     plan, _lease = prepare_plan(spec, state_dir_of(args), f"{spec.name}-plan", hold_port=False)
+    interfaces = network_preview(plan)
+    report_shell_env(args)
     if args.output == "json":
-        print_json(plan.to_dict())
+        print_json({**plan.to_dict(), "network": {str(n): v for n, v in interfaces.items()}})
         return 0
     c = console
     c.print(Text(f"Plan for job '{plan.job_name}' (nothing started)", style="bold"))
@@ -30,12 +32,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
             f"world size {plan.world_size}, master {plan.master_addr}:{plan.master_port}",
             markup=False, highlight=False)
     nodes = Table(title="Nodes", box=None, title_justify="left", pad_edge=False)
-    for col in ("node rank", "host", "slots", "global ranks", "metrics"):
-        nodes.add_column(col)
+    for col in ("node rank", "host", "slots", "global ranks", "metrics", "collectives' interface"):
+        nodes.add_column(col, overflow="fold")
     for n in plan.nodes:
         nodes.add_row(str(n.node_rank), n.host, ",".join(map(str, n.slots)),
                       ",".join(str(r.global_rank) for r in n.ranks),
-                      f":{n.metrics_port}/metrics" if n.metrics_port else "-")
+                      f":{n.metrics_port}/metrics" if n.metrics_port else "-", interfaces[n.node_rank])
     c.print(nodes)
     pairs = plan.ranks()
     envs = [dict(r.env) for _, r in pairs]
@@ -56,6 +58,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
         c.print("Set where a node's environment lacks them: " +
                 " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(defaults.items())), markup=False,
                 highlight=False, soft_wrap=True)
+    firsts = sorted({n.path_prepend for n in plan.nodes if n.path_prepend})
+    if firsts:
+        c.print(f"PATH of every rank starts with {', '.join(firsts)} (the ranks' Python's directory; "
+                "prepend_python_bin), unless it is on the node's PATH already", markup=False, highlight=False,
+                soft_wrap=True)
     if plan.deepspeed_config:
         c.print(Text(f"DeepSpeed config, resolved (a run writes it to {plan.deepspeed_config_path}):", style="bold"))
         c.print(json.dumps(plan.deepspeed_config, indent=2), markup=False, highlight=False, soft_wrap=True)
@@ -76,6 +83,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     controller = Controller(state_dir_of(args))
     try:
         job = controller.submit(spec)
+        report_shell_env(args)
         if args.output != "json":
             console.print(f"Submitted job {job.id} ({spec.launcher} launcher, state dir {controller.state_dir})",
                            markup=False, highlight=False)
@@ -117,20 +125,45 @@ def cmd_submit(args: argparse.Namespace) -> int:
         raise UsageError(f"No orch server is running for state dir {state_dir_of(args)}. Start one with "
                          "`orch server`, or run the job in the foreground with `orch run`.")
     detail = HttpBackend(url).submit(spec.to_dict(), str(args.spec))
+    report_shell_env(args)
     emit_detail(detail, args, f"Submitted job {detail['id']}")
     return 0
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
+    """Ask for the cancel, then say what happens: cancelling (and how to wait), cancelled, or nothing to
+    cancel. With ``--wait S``: exit 0 once every process is gone, 1 if it is still stopping after S s."""
     backend = pick_backend(args)
+    ended = _stopped(backend.detail(args.job))
     detail = backend.cancel(args.job)
-    if args.wait:
-        deadline = time.monotonic() + args.wait
-        while time.monotonic() < deadline:
-            detail = backend.detail(args.job)
-            if detail["state"] in ("SUCCEEDED", "FAILED", "CANCELLED") and \
-                    (not detail["attempts"] or detail["attempts"][-1]["stopped_at"]):
-                break
-            time.sleep(0.25)
-    emit_detail(detail, args, f"Job {detail['id']}: {detail['state']}")
-    return 0
+    job = detail["id"]
+    if ended:
+        emit_detail(detail, args, f"Job {job} had already ended ({detail['state']}); nothing is running (an "
+                                  "automatic restart it was waiting for, if any, is called off)")
+        return 0
+    if not args.wait:
+        grace = (detail.get("spec") or {}).get("stop_grace_seconds", 10)
+        emit_detail(detail, args, f"Cancelling job {job} ({detail['state']}): every rank is stopped within its "
+                                  f"grace period ({grace:g} s). Wait for it with: orch cancel {job} --wait 60; "
+                                  f"watch it with: orch status {job}")
+        return 0
+    started = time.monotonic()
+    deadline = started + args.wait
+    while not _stopped(detail) and time.monotonic() < deadline:
+        time.sleep(0.25)
+        detail = backend.detail(job)
+    if _stopped(detail):
+        emit_detail(detail, args, f"Job {job}: {detail['state']}; every process is gone "
+                                  f"({time.monotonic() - started:.1f} s)")
+        return 0
+    emit_detail(detail, args, f"Job {job} is still stopping after {args.wait:g} s ({detail['state']}); see "
+                              f"orch status {job}")
+    return 1
+
+
+_TERMINAL = ("SUCCEEDED", "FAILED", "CANCELLED")
+
+
+def _stopped(detail: dict) -> bool:
+    """The job ended and its last attempt's processes are gone."""
+    return detail["state"] in _TERMINAL and (not detail["attempts"] or bool(detail["attempts"][-1]["stopped_at"]))

@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 from typing import Any, Callable
 
-from .output import UsageError
+from .output import UsageError, err_console
 
 
 def host_list(text: str) -> list[str]:
@@ -71,6 +71,21 @@ def job_options(parser: argparse.ArgumentParser, suppress: bool = False) -> None
     for name, kind, help_ in ACCELERATE_FLAGS:
         g.add_argument(f"--{name.replace('_', '-')}", f"--{name}", dest=f"acc_{name}", type=kind,
                        metavar=kind.__name__.upper(), default=default, help=f"{help_} (accelerate launch --{name})")
+    e = parser.add_argument_group("the job's environment")
+    e.add_argument("--env-passthrough", type=env_patterns, action="extend", metavar="NAME[,PATTERN...]",
+                   default=default, help="copy these variables (names or shell patterns, e.g. WANDB_*) from this "
+                   "shell to every rank, after the spec's env_passthrough; the spec's env wins; may be repeated")
+
+
+def env_patterns(text: str) -> list[str]:
+    """An argparse type: comma-separated ``env_passthrough`` entries."""
+    from ...spec import env_pattern_problem
+    patterns = [p.strip() for p in text.split(",") if p.strip()]
+    for pattern in patterns or [text]:
+        problem = env_pattern_problem(pattern)
+        if problem:
+            raise argparse.ArgumentTypeError(problem)
+    return patterns
 
 
 def job_arguments(parser: argparse.ArgumentParser) -> None:
@@ -132,10 +147,34 @@ def load_job(args: argparse.Namespace) -> Any:
     if not script_mode:
         if getattr(args, "name", None):
             overrides["name"] = args.name
-        return load_spec(args.spec, overrides=overrides or None)
-    data = {"name": getattr(args, "name", None) or _script_job_name(args.spec), "entrypoint": args.spec,
-            "args": rest, "workdir": os.getcwd(), **overrides}
-    return spec_from_dict(data, os.getcwd(), source=f"(from --accelerate-config {args.accelerate_config})")
+        spec = load_spec(args.spec, overrides=overrides or None)
+    else:
+        data = {"name": getattr(args, "name", None) or _script_job_name(args.spec), "entrypoint": args.spec,
+                "args": rest, "workdir": os.getcwd(), **overrides}
+        spec = spec_from_dict(data, os.getcwd(), source=f"(from --accelerate-config {args.accelerate_config})")
+    return _with_shell_env(args, spec, getattr(args, "env_passthrough", None) or [])
+
+
+def _with_shell_env(args: argparse.Namespace, spec: Any, patterns: list[str]) -> Any:
+    """The spec with what its ``env_passthrough`` (and ``--env-passthrough``) names copied from this shell;
+    what was copied, and which patterns matched nothing, is kept for :func:`report_shell_env`."""
+    from ...spec import pass_through
+    if patterns:
+        spec = spec.model_copy(update={"env_passthrough": list(dict.fromkeys([*spec.env_passthrough, *patterns]))})
+    spec, args.env_copied, args.env_unmatched = pass_through(spec, os.environ)
+    return spec
+
+
+def report_shell_env(args: argparse.Namespace) -> None:
+    """Say on stderr what ``env_passthrough`` copied from this shell and which patterns matched nothing
+    (once the job was planned or submitted: an error comes alone)."""
+    for pattern in getattr(args, "env_unmatched", None) or []:
+        err_console.print(f"warning: env_passthrough {pattern!r} matches no variable of this shell", markup=False,
+                          highlight=False)
+    copied = getattr(args, "env_copied", None) or []
+    if copied:
+        err_console.print(f"env_passthrough: every rank gets {', '.join(copied)} from this shell", markup=False,
+                          highlight=False)
 
 
 def common_options(parser: argparse.ArgumentParser, top: bool) -> None:

@@ -76,13 +76,8 @@ def final_words(detail: dict, header: bool = True) -> None:
             c.print(line, markup=False, highlight=False, style="red" if line.startswith("cause") else None)
     if detail.get("run_dir"):
         c.print(f"logs: {detail['run_dir']}/logs", markup=False, highlight=False)
-    if detail["state"] in ("FAILED", "CANCELLED"):
-        if (detail.get("cause") or {}).get("kind") == "preflight_failed":
-            c.print(f"fix the nodes, then resume with: orch resume {detail['id']}; a problem in the spec itself "
-                    "(python, workdir, entrypoint, checkpoint_dir) needs a new job from the fixed spec (orch run), "
-                    "since a resume runs the job's stored spec", markup=False, highlight=False)
-        else:
-            c.print(f"resume with: orch resume {detail['id']}", markup=False, highlight=False)
+    for step in detail.get("next_steps") or []:
+        c.print(f"next: {step}", markup=False, highlight=False)
 
 
 def start_checkpoint(attempt: dict) -> str:

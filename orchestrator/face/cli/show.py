@@ -52,6 +52,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     c.print(ranks_table(detail))
     for line in cause_lines(detail)[1:]:
         c.print(line, markup=False, highlight=False)
+    for step in detail.get("next_steps") or []:
+        c.print(f"next: {step}", markup=False, highlight=False)
     return 0
 
 

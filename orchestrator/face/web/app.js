@@ -291,7 +291,7 @@
     const since = cur && (cur.running_at || cur.created_at);
     const end = cur && (cur.ended_at || null);
     const value = [d.id, d.name, d.state, d.attempt, d.restarts, d.world_size, d.master_addr, d.master_port,
-                   d.run_dir, d.cause, d.updated_at, since, end, end ? 0 : Math.floor(Date.now() / 1000)];
+                   d.run_dir, d.cause, d.next_steps, d.updated_at, since, end, end ? 0 : Math.floor(Date.now() / 1000)];
     if (!changed("header", value)) return;
     const meta = (label, v) => el("span", {class: "meta"}, `${label} `, el("b", {text: v ?? "–"}));
     const parts = [
@@ -315,6 +315,9 @@
       header.append(el("div", {id: "job-cause", class: cls, style: "flex-basis: 100%"},
         el("b", {text: d.state === "FAILED" ? "failed: " : "stopped: "}), d.cause.message,
         d.cause.kind ? el("span", {class: "kind", text: `(${d.cause.kind})`}) : null));
+    }
+    for (const step of d.next_steps || []) {  // what to do now: the command that continues the job
+      header.append(el("div", {class: "next-step", style: "flex-basis: 100%"}, el("b", {text: "next: "}), step));
     }
   }
 

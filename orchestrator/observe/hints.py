@@ -1,0 +1,73 @@
+"""What to do after a job stopped short: the command that continues it, or what to fix first.
+
+Every hint is true for the cause it follows. A lost node is left out of the resume (a spare host takes
+its place, or the job runs on the nodes left); a node that could not be set up is fixed (or left out)
+before a resume; a problem in the job's spec gets no resume hint, since a resume runs the job's stored
+spec and would fail the same way: it needs a new job from the fixed spec.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["next_steps", "SPEC_CHECKS"]
+
+#: Preflight checks about what the spec names (its Python, workdir, entrypoint, the network settings of
+#: its env and master_addr): failing on every node, the spec itself is wrong; on some nodes only, those
+#: nodes are.
+SPEC_CHECKS = ("python", "workdir", "entrypoint", "network")
+
+
+def next_steps(detail: dict[str, Any]) -> list[str]:
+    """The hints for a job (:func:`orchestrator.observe.job_detail`), each one line; ``[]`` for a job
+    that is running or succeeded, or whose restart policy already restarts it."""
+    if detail.get("state") not in ("FAILED", "CANCELLED"):
+        return []
+    job = detail["id"]
+    cause = detail.get("cause") or {}
+    kind = cause.get("kind")
+    if detail.get("state") == "CANCELLED" or kind in (None, "cancelled"):
+        return [f"resume it from its last complete checkpoint: orch resume {job}"]
+    if kind == "node_lost":
+        hosts = ",".join(cause.get("nodes") or [cause.get("node") or "HOST"])
+        return [f"resume without the lost node: orch resume {job} --exclude {hosts} (a spare host of the hostfile "
+                "takes its place; without one the job continues on the nodes left); once it is back, "
+                f"orch resume {job} uses it again"]
+    if kind == "provision_failed":
+        return _provision_steps(job, cause)
+    if kind == "preflight_failed":
+        return _preflight_steps(job, cause, len(_nodes_of(detail)))
+    if kind == "spawn_failed":
+        return [f"fix the rank's command (the spec's python or entrypoint, or the node named above), then run the "
+                f"fixed spec as a new job (orch run SPEC); if the node was at fault: orch resume {job}"]
+    return [f"resume from the last complete checkpoint: orch resume {job} (after fixing the cause above, where it is "
+            "in the script or its data)"]
+
+
+def _nodes_of(detail: dict[str, Any]) -> list[str]:
+    attempts = detail.get("attempts") or []
+    return list(attempts[-1].get("nodes") or []) if attempts else []
+
+
+def _provision_steps(job: str, cause: dict[str, Any]) -> list[str]:
+    hosts = ",".join(n["node"] for n in cause.get("nodes") or [] if n.get("node")) or "HOST"
+    return [f"fix the node(s) first (each reason is above: a host down, sshd not running, a key or host key not "
+            f"accepted, the spec's Python missing there), then: orch resume {job}",
+            f"or leave them out: orch resume {job} --exclude {hosts}"]
+
+
+def _preflight_steps(job: str, cause: dict[str, Any], nodes: int) -> list[str]:
+    failures = cause.get("failures") or []
+    failing: dict[str, set[str]] = {}
+    for f in failures:
+        failing.setdefault(f.get("check", ""), set()).update(f.get("nodes") or [f.get("node")])
+    in_spec = sorted(check for check, where in failing.items() if check in SPEC_CHECKS and nodes and len(where) >= nodes)
+    on_nodes = sorted(check for check in failing if check not in in_spec)
+    steps = []
+    if in_spec:
+        steps.append(f"fix the spec ({', '.join(in_spec)} failed on every node) and run it again as a new job: "
+                     "orch run SPEC; a resume would run the job's stored spec and fail the same way")
+    if on_nodes:
+        steps.append(f"fix {', '.join(on_nodes)} on the nodes named above, then: orch resume {job}"
+                     if not in_spec else f"and fix {', '.join(on_nodes)} on the nodes named above")
+    return steps
