@@ -14,6 +14,7 @@ import sys
 import socket
 import time
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -107,13 +108,23 @@ def test_processes_that_left_the_group_are_swept_and_reaped(orch, write_spec, ho
         assert not psutil.pid_exists(pid), f"{pid} is still there (a zombie: {psutil.Process(pid).status()})"
 
 
-def test_cancel_from_another_process(orch, write_spec, hostfile, tmp_path) -> None:
+def _long_job(orch, write_spec, hostfile, tmp_path, env: dict | None = None) -> tuple[Any, dict]:
+    """``orch run`` of a 2x2 job that steps for minutes, once its 4 ranks run: ``(the orch process, the job)``."""
     ready = tmp_path / "ready"
     spec = write_spec(**spec_fields(hostfile(TWO_BY_TWO), WORKER_STEPS="6000", WORKER_READY_DIR=str(ready)))
-    proc = orch.popen("run", str(spec))
+    proc = orch.popen("run", str(spec), env=env)
     try:
         wait_for(lambda: len(list(ready.glob("*.ready"))) == 4, 60, "4 ranks running")
         (job,) = orch.json("list")
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    return proc, job
+
+
+def test_cancel_from_another_process(orch, write_spec, hostfile, tmp_path) -> None:
+    proc, job = _long_job(orch, write_spec, hostfile, tmp_path)
+    try:
         assert job["state"] == "RUNNING"
         t0 = time.monotonic()
         r = orch("cancel", job["id"], "--wait", "30")
@@ -129,12 +140,8 @@ def test_cancel_from_another_process(orch, write_spec, hostfile, tmp_path) -> No
 
 
 def test_cancel_says_what_happens_and_how_to_wait(orch, write_spec, hostfile, tmp_path) -> None:
-    ready = tmp_path / "ready"
-    spec = write_spec(**spec_fields(hostfile(TWO_BY_TWO), WORKER_STEPS="6000", WORKER_READY_DIR=str(ready)))
-    proc = orch.popen("run", str(spec))
+    proc, job = _long_job(orch, write_spec, hostfile, tmp_path)
     try:
-        wait_for(lambda: len(list(ready.glob("*.ready"))) == 4, 60, "4 ranks running")
-        (job,) = orch.json("list")
         r = orch("cancel", job["id"])  # without --wait: it says it is cancelling, and how to wait
         words = " ".join(r.stdout.split())
         assert r.returncode == 0, r.stdout + r.stderr
@@ -178,11 +185,7 @@ def test_env_passthrough_and_the_pythons_bin_first_on_path(orch, write_spec, hos
 
 def test_controller_killed_agents_stop_ranks_and_the_job_is_marked_failed(orch, write_spec, hostfile,
                                                                           tmp_path) -> None:
-    ready = tmp_path / "ready"
-    spec = write_spec(**spec_fields(hostfile(TWO_BY_TWO), WORKER_STEPS="6000", WORKER_READY_DIR=str(ready)))
-    proc = orch.popen("run", str(spec))
-    wait_for(lambda: len(list(ready.glob("*.ready"))) == 4, 60, "4 ranks running")
-    (job,) = orch.json("list")
+    proc, job = _long_job(orch, write_spec, hostfile, tmp_path)
     assert len(job_processes(job["id"])) >= 6  # 2 agents + 4 ranks
     assert Controller(orch.state_dir).recover() == []  # its controller is alive: not an orphan
     proc.send_signal(signal.SIGKILL)
@@ -324,12 +327,8 @@ def test_plan_shows_ranks_env_and_real_command(orch, write_spec, hostfile) -> No
 
 
 def test_agents_stop_their_ranks_when_the_controller_falls_silent(orch, write_spec, hostfile, tmp_path) -> None:
-    ready = tmp_path / "ready"
-    spec = write_spec(**spec_fields(hostfile(TWO_BY_TWO), WORKER_STEPS="6000", WORKER_READY_DIR=str(ready)))
-    proc = orch.popen("run", str(spec), env={"ORCH_AGENT_LEASE_S": "3"})
+    proc, job = _long_job(orch, write_spec, hostfile, tmp_path, env={"ORCH_AGENT_LEASE_S": "3"})
     try:
-        wait_for(lambda: len(list(ready.glob("*.ready"))) == 4, 60, "4 ranks running")
-        (job,) = orch.json("list")
         proc.send_signal(signal.SIGSTOP)  # the controller is alive but says nothing
         t0 = time.monotonic()
         wait_for(lambda: not [p for p in job_processes(job["id"]) if "worker.py" in " ".join(p.cmdline())],
