@@ -562,7 +562,10 @@ def test_lost_node_resumes_on_a_spare_from_the_last_complete_checkpoint(orch, wr
         assert f"host {net.names[victim]}" in words and ("has no alive Ray node" in words or
                                                         "does not answer" in words), words
         assert f"orch resume JOB --exclude {net.names[victim]}" in words, words
-        assert time.monotonic() - t0 < 15 and len(orch.json("status", job_id)["attempts"]) == 1
+        refused_s = time.monotonic() - t0
+        print(f"\n[ray resume] a plain resume needing the lost node was refused in {refused_s:.2f} s: "
+              f"{words[:160]}")
+        assert refused_s < 15 and len(orch.json("status", job_id)["attempts"]) == 1
 
         # the lost node's Ray node is still dead (Ray may not even know yet): it is excluded, not needed
         r = orch("resume", job_id, "--exclude", net.names[victim], env=env, timeout=300)

@@ -63,6 +63,8 @@ def test_auto_finds_a_token_cluster_and_joins_it_with_the_token(orch, write_spec
     assert f"error: the Ray cluster at {cluster.address} requires token authentication, and orch has no token: " \
            "$RAY_AUTH_TOKEN and $RAY_AUTH_TOKEN_PATH are unset and ~/.ray/auth_token does not exist" in words, words
     assert "Traceback" not in r.stderr and r.stderr.count("InvalidAuthToken") <= 1, r.stderr
+    print(f"\n[ray auth] a token cluster without the token: refused in {took:.2f} s, "
+          f"{r.stderr.count('InvalidAuthToken')} line(s) of Ray's own")
     assert took < 15, f"the refusal took {took:.1f} s"
     assert [j["id"] for j in orch.json("list")] == [job["id"]]  # nothing was submitted
 

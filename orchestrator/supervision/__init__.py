@@ -5,14 +5,16 @@ May import: every package before it (``errors``, ``launchers``, ``spec``, ``plan
 ``store``, ``observe``, ``provisioners``) and ``agents``; nothing of ``orchestrator.face``.
 
 Modules, in the order a job meets them: :mod:`.controller` (jobs), :mod:`.prepare` (the I/O part of
-planning an attempt), :mod:`.ports` (master ports), :mod:`.attempt` (one attempt's lifecycle and its
-message table), :mod:`.provisioning`, :mod:`.preflight`, :mod:`.watches` (node silence, hangs),
-:mod:`.teardown`, :mod:`.restarts` (the restart policy), :mod:`.resume` (where a resume starts),
-:mod:`.orphans` (jobs whose controller died), :mod:`.settings` (deadlines).
+planning an attempt), :mod:`.ports` (master ports), :mod:`.attempt` (one attempt's lifecycle),
+:mod:`.messages` (what each agent message does: the one table of handlers), :mod:`.provisioning`,
+:mod:`.preflight`, :mod:`.watches` (node silence, hangs), :mod:`.teardown`, :mod:`.restarts` (the
+restart policy), :mod:`.resume` (where a resume starts), :mod:`.orphans` (jobs whose controller died),
+:mod:`.settings` (deadlines).
 """
 
-from .attempt import AttemptRun, rank_log_tail
+from .attempt import AttemptRun
 from .controller import Controller, default_state_dir, new_job_id
+from .messages import rank_log_tail
 from .orphans import recover_orphans
 from .prepare import prepare_plan
 

@@ -5,9 +5,10 @@ The lifecycle, in :class:`AttemptRun`:
 1. provisioning (:mod:`.provisioning`): one agent per node, every hello awaited;
 2. the preflight round (:class:`~.preflight.PreflightRound`), unless the spec turns it off;
 3. ``start``: every node gets its plan and starts its ranks;
-4. one turn per agent message, each handled by one small handler of :data:`AttemptRun.HANDLERS`
-   (``started`` on every node -> RUNNING; a rank's non-zero exit, a spawn failure, an agent's link
-   closing early -> FAILED with a cause; every rank exiting 0 -> SUCCEEDED), then the watches:
+4. one turn per agent message, each handled by one small handler of the one table
+   :data:`~.messages.AttemptMessages.HANDLERS` (:mod:`.messages`: ``started`` on every node ->
+   RUNNING; a rank's non-zero exit, a spawn failure, an agent's link closing early -> FAILED with a
+   cause; every rank exiting 0 -> SUCCEEDED), then the watches:
    node silence (:class:`~.watches.HeartbeatWatch`), hangs (:class:`~.watches.ProgressWatch`),
    the preflight's deadline, a cancel request, the agents' lease;
 5. teardown (:class:`~.teardown.Teardown`), whatever happened: every agent stops its ranks (SIGTERM,
@@ -29,7 +30,6 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 from ..errors import OrchError
 from ..observe import ControllerMetrics, TargetsWriter, attempt_targets
@@ -37,6 +37,7 @@ from ..planning import JobPlan
 from ..provisioners import AgentHandle, Provisioner
 from ..spec import JobSpec
 from ..store import JobState, Store
+from .messages import AttemptMessages
 from .ports import PortLease
 from .preflight import PreflightRound
 from .prepare import rank_python
@@ -45,7 +46,7 @@ from .settings import Timings
 from .teardown import Teardown, root_cause
 from .watches import ENDED, HeartbeatWatch, ProgressWatch
 
-__all__ = ["AttemptRun", "AttemptServices", "rank_log_tail"]
+__all__ = ["AttemptRun", "AttemptServices"]
 
 
 @dataclass(frozen=True)
@@ -67,21 +68,7 @@ class AttemptServices:
     on_ended: Callable[["AttemptRun"], None]
 
 
-def rank_log_tail(plan: dict, global_rank: int, lines: int = 20) -> list[str]:
-    """The last ``lines`` lines of a rank's log file (empty if it has none yet)."""
-    path = Path(plan["nodes"][0]["log_dir"]) / f"rank-{global_rank}.log"
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            size = f.tell()
-            f.seek(max(0, size - 64 * 1024))
-            data = f.read()
-    except OSError:
-        return []
-    return [ln.decode("utf-8", "replace") for ln in data.splitlines()[-lines:]]
-
-
-class AttemptRun:
+class AttemptRun(AttemptMessages):
     """Supervises one attempt of one job on its own thread (see the module docstring).
 
     Args:
@@ -261,129 +248,6 @@ class AttemptRun:
             self.agents[node_rank].send({"type": "dump"})
         self._event("hang_detected", {"ranks": cause["ranks"], "steps": cause["steps"]})
         self.progress.await_stacks(cause, running)
-
-    # -- message handlers (one per message type; the table is HANDLERS) -----------------------
-
-    def _on_hello(self, node_rank: int, msg: dict) -> None:
-        self.node_state[node_rank] = "up"
-        self._event("agent_up", {"node_rank": node_rank, "host": self._host(node_rank), "pid": msg.get("pid")})
-
-    def _on_preflight_result(self, node_rank: int, msg: dict) -> None:
-        pf = self._preflight
-        if pf is None or pf.phase == "done" or self.state.is_terminal():
-            return
-        pf.record(node_rank, msg)
-        if not pf.phase_complete():
-            return
-        if pf.phase == "check":
-            for n, request in pf.list_requests().items():
-                self.agents[n].send(request)
-            if pf.phase == "list":
-                return
-        self._finish_preflight()
-
-    def _on_started(self, node_rank: int, msg: dict) -> None:
-        self.node_state[node_rank] = "running"
-        self.metrics_ports[node_rank] = msg.get("metrics_port")
-        self._event("ranks_started", {"node_rank": node_rank, "host": self._host(node_rank),
-                                      "ranks": msg.get("ranks", []), "metrics_port": msg.get("metrics_port"),
-                                      "network": msg.get("network")})
-        if self.state == JobState.PROVISIONING and all(s in ("running", "done") for s in self.node_state.values()):
-            self._set(JobState.RUNNING)
-            attempt = self.store.get_attempt(self.job_id, self.plan.attempt)
-            self.services.metrics.running((attempt.running_at or 0) - attempt.created_at)
-            self._write_targets()
-            self.progress.watch(r.global_rank for _, r in self.plan.ranks())
-
-    def _on_progress(self, node_rank: int, msg: dict) -> None:
-        rows = [(int(rank), p) for rank, points in (msg.get("points") or {}).items() if isinstance(points, list)
-                for p in points if isinstance(p, dict) and "step" in p]
-        if rows:
-            self.store.add_progress(self.job_id, self.plan.attempt, rows)
-            self.progress.record(rows)
-
-    def _on_rank_exit(self, node_rank: int, msg: dict) -> None:
-        rank, code = int(msg["global_rank"]), int(msg["returncode"])
-        self.exits[rank] = code
-        self._event("rank_exit", {"global_rank": rank, "node_rank": node_rank, "host": self._host(node_rank),
-                                  "returncode": code, "how": msg.get("how"), "during_teardown": self._tearing_down})
-        if code == 0 or not self._open():
-            return
-        node = self._rank_node[rank]
-        local = next(r.local_rank for r in node.ranks if r.global_rank == rank)
-        if isinstance(msg.get("at"), (int, float)):
-            self.services.metrics.failure_detected("rank_exit", time.time() - msg["at"])
-        self._fail({"kind": "rank_exit", "global_rank": rank, "local_rank": local, "node": node.host,
-                    "node_rank": node.node_rank, "returncode": code,
-                    "message": f"rank {rank} (local rank {local}) on {node.host} (node {node.node_rank}) "
-                               f"exited with {msg.get('how') or code}",
-                    "log_tail": rank_log_tail(self.plan.to_dict(), rank)})
-
-    def _on_done(self, node_rank: int, msg: dict) -> None:
-        self.node_state[node_rank] = "done"
-        every_rank_ok = len(self.exits) == self.plan.world_size and all(c == 0 for c in self.exits.values())
-        if all(s == "done" for s in self.node_state.values()) and every_rank_ok and self._open():
-            self._set(JobState.SUCCEEDED)
-
-    def _on_stopped(self, node_rank: int, msg: dict) -> None:
-        self.node_state[node_rank] = "stopped"
-
-    def _on_stopping(self, node_rank: int, msg: dict) -> None:
-        self._fail({"kind": "agent_stopped", "node": self._host(node_rank), "node_rank": node_rank,
-                    "message": f"the agent on {self._host(node_rank)} (node {node_rank}) stopped its ranks: "
-                               f"{msg.get('reason')}"})
-
-    def _on_spawn_failed(self, node_rank: int, msg: dict) -> None:
-        self._fail({"kind": "spawn_failed", "node": self._host(node_rank), "node_rank": node_rank,
-                    "global_rank": msg.get("global_rank"),
-                    "message": f"rank {msg.get('global_rank')} on {self._host(node_rank)} (node {node_rank}) "
-                               f"could not be started: {msg.get('error')}"})
-
-    def _on_error(self, node_rank: int, msg: dict) -> None:
-        self._fail({"kind": "agent_error", "node": self._host(node_rank), "node_rank": node_rank,
-                    "message": f"the agent on {self._host(node_rank)} (node {node_rank}) failed: {msg.get('message')}"})
-
-    def _on_eof(self, node_rank: int, msg: dict) -> None:
-        if self.node_state.get(node_rank) in ("done", "stopped", "lost"):
-            return
-        self.node_state[node_rank] = "gone"
-        if self._open():
-            self.services.metrics.failure_detected("node_lost", 0.0)  # the link closing is the news
-            self._fail({"kind": "node_lost", "node": self._host(node_rank), "node_rank": node_rank,
-                        "message": f"node lost: the agent on {self._host(node_rank)} (node {node_rank}) "
-                                   "went away (its link closed)"})
-
-    def _on_dumped(self, node_rank: int, msg: dict) -> None:
-        self.progress.dumped(node_rank, msg)
-
-    def _on_heartbeat(self, node_rank: int, msg: dict) -> None:
-        if self._preflight is not None and self._preflight.phase != "done":
-            self._preflight.current[node_rank] = msg.get("preflight")  # named if the preflight times out
-
-    def _on_warning(self, node_rank: int, msg: dict) -> None:
-        self._event("warning", {"node_rank": node_rank, "host": self._host(node_rank), "message": msg.get("message")})
-
-    def _on_unknown(self, node_rank: int, msg: dict) -> None:
-        self._event("agent_message", {"node_rank": node_rank, "message": msg})
-
-    #: Agent message type -> (handler, whether it also runs while the attempt is torn down).
-    #: Any other type is recorded as an ``agent_message`` event (not while tearing down).
-    HANDLERS: dict[str, tuple[Callable[["AttemptRun", int, dict], None], bool]] = {
-        "hello": (_on_hello, False),
-        "preflight_result": (_on_preflight_result, False),
-        "started": (_on_started, False),
-        "progress": (_on_progress, True),
-        "rank_exit": (_on_rank_exit, True),
-        "done": (_on_done, True),
-        "stopped": (_on_stopped, True),
-        "stopping": (_on_stopping, False),
-        "spawn_failed": (_on_spawn_failed, False),
-        "error": (_on_error, False),
-        "eof": (_on_eof, True),
-        "dumped": (_on_dumped, False),
-        "heartbeat": (_on_heartbeat, False),
-        "warning": (_on_warning, False),
-    }
 
     # -- state --------------------------------------------------------------------------------
 
