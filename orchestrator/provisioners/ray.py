@@ -69,9 +69,9 @@ def connect(address: str, timeout: float = 30.0) -> Any:
                                      f"{_CONNECTED['address']}; it cannot also use {address}")
             return ray
         target = ray_access.resolve_address(address)
-        joining = target != "local" and not target.startswith("ray://")
-        if joining:
-            ray_access.check_reachable(target, timeout)
+        if target != "local" and not target.startswith("ray://"):
+            # reachable, and the token accepted: one clear error at once (ray.init retries for 20 s)
+            ray_access.read_nodes(target, min(timeout, 10.0))
         kwargs: dict[str, Any] = {"namespace": NAMESPACE, "log_to_driver": False, "configure_logging": False}
         if target == "local":
             kwargs.update(include_dashboard=False, num_cpus=os.cpu_count())
@@ -81,8 +81,6 @@ def connect(address: str, timeout: float = 30.0) -> Any:
         try:
             with ray_access.token_auth() as (token_mode, how):
                 try:
-                    if joining:
-                        ray_access.gcs_nodes(target, min(timeout, 10.0))
                     ray.init(**kwargs)
                 except Exception as err:  # ray raises ConnectionError, RuntimeError, ValueError...
                     if ray_access.is_auth_error(err):

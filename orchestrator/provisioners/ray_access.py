@@ -34,6 +34,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Iterator
 
+from agents import network
+
 from ..errors import ProvisionError
 
 __all__ = ["resolve_address", "check_reachable", "token_auth", "gcs_nodes", "read_nodes", "unreachable_nodes", "remove_session_on_exit",
@@ -197,9 +199,7 @@ def unreachable_nodes(nodes: list[dict[str, Any]], timeout: float = 2.0) -> dict
 
 def local_addresses() -> set[str]:
     """Every address of this machine's interfaces (of the network namespace this process runs in)."""
-    import psutil
-    return {a.address.split("%")[0] for addrs in psutil.net_if_addrs().values() for a in addrs
-            if a.family in (socket.AF_INET, socket.AF_INET6)}
+    return {address for addresses in network.interfaces().values() for address in addresses}
 
 
 def local_node_ip() -> str:

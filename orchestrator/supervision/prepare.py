@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from agents import network
+from agents.agent import rank_env
 
 from ..errors import FilterError, HostfileError, SpecError
 from ..launchers.deepspeed import ACCELERATOR_EXPORT_PREFIXES, deepspeed_env_files
@@ -198,10 +199,11 @@ def network_preview(plan: JobPlan) -> dict[int, str]:
     """
     out = {}
     for node in plan.nodes:
-        env = {**node.env_defaults, **(node.ranks[0].env if node.ranks else {})}
+        first = node.ranks[0].to_dict() if node.ranks else {}
+        env = rank_env({}, node.to_dict(), first)  # what the plan gives a rank, whatever the node's own
         user = ", ".join(f"{k}={env[k]}" for k in network.IFNAME_VARS if env.get(k))
-        if plan.provisioner == "local":
-            choice = network.choose({**os.environ, **env}, node.master)
+        if plan.provisioner == "local":  # a local agent's node environment is this process's
+            choice = network.choose(rank_env(dict(os.environ), node.to_dict(), first), node.master)
             out[node.node_rank] = (f"problem: {choice.detail}" if choice.problem else
                                    f"{choice.ifname} ({choice.address})" + (f", {user}" if user else ""))
         elif user:
