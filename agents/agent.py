@@ -78,6 +78,7 @@ class Agent:
                                                                             f"rank-{r['global_rank']}.log")
                                              for r in self.node["ranks"]})
         self._progress_sent = 0.0
+        self._watch = None
         self._signalled: int | None = None
         self._finished = threading.Event()
 
@@ -92,7 +93,27 @@ class Agent:
             return 1
         if not self._start_ranks():
             return 1
+        self._start_watch()
         return self._supervise()
+
+    def _start_watch(self) -> None:
+        """Watch the checkpoint directory (``agents.manifest``) while the ranks run, if the plan says so."""
+        watch = self.node.get("checkpoint_watch")
+        if not watch:
+            return
+        from .manifest import CheckpointWatch
+        self._watch = CheckpointWatch(watch, [r["global_rank"] for r in self.node["ranks"]], self.node["node_rank"],
+                                      self.writer.send)
+        self._watch.start()
+
+    def _stop_watch(self) -> None:
+        """Hash what the ranks left (at most 2 s: within the controller's slack for a stopping agent), then stop
+        watching; before the last report."""
+        if self._watch is not None:
+            watch, self._watch = self._watch, None
+            watch.stop(final_deadline_s=2.0)
+            for error in watch.errors[:5]:
+                self.writer.send({"type": "warning", "message": f"checkpoint manifest on {self.node['host']}: {error}"})
 
     def _start_exporter(self) -> None:
         """Serve ``/metrics`` (docs/metrics.md) on the plan's port, 0 meaning any free port; a
@@ -211,6 +232,7 @@ class Agent:
             self._reap()
             self._send_progress(force=len(self.exited) == len(self.ranks))
             if len(self.exited) == len(self.ranks):
+                self._stop_watch()
                 self.writer.send({"type": "done", "exits": {str(k): v for k, v in self.exited.items()}})
                 self._cleanup()
                 return 0 if all(v == 0 for v in self.exited.values()) else 1
@@ -274,6 +296,7 @@ class Agent:
         self._reap()
         if report:
             self._send_progress(force=True)
+            self._stop_watch()
         self._cleanup()
         if report:
             self.writer.send({"type": "stopped", "reason": reason,

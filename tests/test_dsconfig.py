@@ -7,17 +7,17 @@ import json
 
 import pytest
 
-from orchestrator.spec.dsconfig import (DeepSpeedSettings, RunFacts, check, hidden_size_from_model_config,
-                                   plugin_config, resolve)
+from orchestrator.spec.dsconfig import (ACCELERATE_KEYS, DeepSpeedSettings, RunFacts, check,
+                                        hidden_size_from_model_config, plugin_config, resolve)
 from orchestrator.errors import ConfigError, SpecError
 
 RUN = RunFacts(world_size=4, slots_per_node=(2, 2), micro_batch_size=8)
 DEFAULTS = DeepSpeedSettings()  # nothing given: Accelerate's defaults
 
 
-def _problems(config, settings=DEFAULTS, run=RUN, accelerate=True, from_file=True) -> dict[str, str]:
+def _problems(config, settings=DEFAULTS, run=RUN, accelerate=True, from_file=True, **kw) -> dict[str, str]:
     with pytest.raises(ConfigError) as err:
-        resolve(config, settings, run, accelerate=accelerate, from_file=from_file, source="ds.json")
+        resolve(config, settings, run, accelerate=accelerate, from_file=from_file, source="ds.json", **kw)
     assert isinstance(err.value, SpecError)  # the CLI prints it, exit status 2, no traceback
     problems = dict(err.value.problems)
     for key, msg in problems.items():  # one line per problem, by key path, in the message
@@ -300,3 +300,107 @@ def test_the_guides_zero_plus_plus_example() -> None:
     assert out.config["train_batch_size"] == 16
     assert len(resolve(config, DEFAULTS, run(16), accelerate=True).warnings) == 1  # divides 16, is not 16
     assert list(_problems(config, run=run(4, 4))) == ["zero_optimization.zero_hpz_partition_size"]
+
+
+# ---------------------------------------------------------------------------------- filled by the script
+
+#: Hugging Face's ZeRO-2 example config for the Trainer (transformers docs, "DeepSpeed"): every value the
+#: Trainer fills from its TrainingArguments is "auto".
+HF_AUTO = {
+    "fp16": {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16,
+             "hysteresis": 2, "min_loss_scale": 1},
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
+    "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                                                 "warmup_num_steps": "auto"}},
+    "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True},
+                          "allgather_partitions": True, "allgather_bucket_size": 2e8, "overlap_comm": True,
+                          "reduce_scatter": True, "reduce_bucket_size": "auto", "contiguous_gradients": True},
+    "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "steps_per_print": 2000,
+    "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "wall_clock_breakdown": False,
+}
+HF_LEFT = ("fp16.enabled", "optimizer.params.lr", "optimizer.params.betas", "optimizer.params.eps",
+           "optimizer.params.weight_decay", "scheduler.params.warmup_min_lr", "scheduler.params.warmup_max_lr",
+           "scheduler.params.warmup_num_steps", "zero_optimization.reduce_bucket_size",
+           "gradient_accumulation_steps", "gradient_clipping", "train_batch_size", "train_micro_batch_size_per_gpu")
+
+
+@pytest.mark.parametrize("accelerate", [False, True])
+def test_an_hf_style_config_is_left_to_the_script_that_fills_it(accelerate) -> None:
+    # HfTrainerDeepSpeedConfig.trainer_config_process fills these from TrainingArguments and refuses a value
+    # that differs (fill_match, must_match): orch writes none of them, not even the micro batch it knows
+    out = resolve(HF_AUTO, DEFAULTS, RUN, accelerate=accelerate, filled_by="script")
+    assert out.config == HF_AUTO and out.left_auto == HF_LEFT and out.warnings == ()
+    assert HF_AUTO["fp16"]["enabled"] == "auto"  # the input is not modified
+
+
+def test_an_hf_style_config_is_refused_when_orch_fills_it() -> None:
+    problems = _problems(HF_AUTO, accelerate=False)  # today's messages
+    assert "nothing fills this key" in problems["optimizer.params.betas"]
+    assert "nothing fills this key" in problems["optimizer.params.eps"]
+    assert "DummyOptim" in problems["optimizer.params.lr"]
+    assert "hidden_size or model_config" in problems["zero_optimization.reduce_bucket_size"]
+    assert set(problems) == {"optimizer.params.lr", "optimizer.params.betas", "optimizer.params.eps",
+                             "optimizer.params.weight_decay", "scheduler.params.warmup_min_lr",
+                             "scheduler.params.warmup_max_lr", "scheduler.params.warmup_num_steps",
+                             "zero_optimization.reduce_bucket_size"}  # RUN gives the micro batch
+    assert _problems(HF_AUTO, accelerate=False, filled_by="orch") == problems
+
+
+@pytest.mark.parametrize("change, key, words", [
+    ({"stage": 7}, "zero_optimization.stage", "must be 0, 1, 2 or 3; got 7"),
+    ({"offload_param": {"device": "cpu"}}, "zero_optimization.offload_param.device", "only with ZeRO stage 3"),
+    ({"offload_optimizer": {"device": "disk"}}, "zero_optimization.offload_optimizer.device", "none, cpu, nvme"),
+    ({"stage": 3, "offload_optimizer": {"device": "nvme"}}, "zero_optimization.offload_optimizer.nvme_path",
+     "needs the directory"),
+    ({"zero_quantized_weights": True}, "zero_optimization.zero_quantized_weights", "ZeRO++"),
+])
+def test_the_rules_still_apply_to_what_is_not_auto_under_the_script(change, key, words) -> None:
+    config = {**HF_AUTO, "zero_optimization": {**HF_AUTO["zero_optimization"], **change}}
+    problems = _problems(config, accelerate=False, filled_by="script")
+    assert list(problems) == [key] and words in problems[key]
+
+
+def test_batch_sizes_given_beside_autos_must_still_multiply_out() -> None:
+    run = RunFacts(world_size=4, slots_per_node=(4,))
+    problems = _problems({**HF_AUTO, "train_batch_size": 30}, run=run, accelerate=False, filled_by="script")
+    assert list(problems) == ["train_batch_size"] and "not a multiple of 4" in problems["train_batch_size"]
+    problems = _problems({**HF_AUTO, "train_batch_size": 36, "train_micro_batch_size_per_gpu": 2}, run=run,
+                         accelerate=False, filled_by="script")
+    assert "not a multiple of 8" in problems["train_batch_size"]
+    ok = resolve({**HF_AUTO, "train_batch_size": 32, "train_micro_batch_size_per_gpu": 2}, DEFAULTS, run,
+                 accelerate=False, filled_by="script")
+    assert ok.config["train_batch_size"] == 32 and "train_batch_size" not in ok.left_auto
+    assert list(_problems({**HF_AUTO, "gradient_clipping": "auto", "train_micro_batch_size_per_gpu": 0},
+                          accelerate=False, filled_by="script")) == ["train_micro_batch_size_per_gpu"]
+
+
+def test_under_the_script_an_auto_nothing_fills_is_still_an_error() -> None:
+    config = {**HF_AUTO, "zero_optimization": {**HF_AUTO["zero_optimization"], "sub_group_size": "auto"}}
+    problems = _problems(config, accelerate=False, filled_by="script")
+    assert list(problems) == ["zero_optimization.sub_group_size"]
+    assert "neither orch nor the script fills it" in problems["zero_optimization.sub_group_size"]
+    # a script on Accelerate without the Trainer: its DummyOptim gives lr and weight_decay, not Adam's betas/eps
+    problems = _problems(HF_AUTO, accelerate=False, filled_by="script", script_keys=ACCELERATE_KEYS)
+    assert set(problems) == {"optimizer.params.betas", "optimizer.params.eps"}
+
+
+def test_under_the_script_orch_fills_only_the_zero_settings_it_gives_the_ranks() -> None:
+    config = {**HF_AUTO, "zero_optimization": {"stage": "auto", "offload_param": {"device": "auto"},
+                                               "stage3_gather_16bit_weights_on_model_save": "auto"}}
+    settings = DeepSpeedSettings(zero_stage=3, offload_param_device="cpu", gradient_accumulation_steps=4,
+                                 gradient_clipping=0.5, mixed_precision="bf16")
+    out = resolve(config, settings, RUN, accelerate=True, filled_by="script")
+    # DeepSpeedPlugin fills these from the ACCELERATE_DEEPSPEED_* variables orch sets on every rank
+    assert out.config["zero_optimization"] == {"stage": 3, "offload_param": {"device": "cpu"},
+                                               "stage3_gather_16bit_weights_on_model_save": False}
+    # the Trainer fills accumulation, clipping and fp16 from its TrainingArguments before the plugin does
+    assert out.config["gradient_accumulation_steps"] == "auto" and out.config["gradient_clipping"] == "auto"
+    assert out.config["fp16"]["enabled"] == "auto" and "bf16" not in out.config
+    # without an Accelerate config orch does not know the stage: it stays "auto", and the rules that need it wait
+    out = resolve(config, DEFAULTS, RUN, accelerate=False, filled_by="script")
+    assert out.config["zero_optimization"]["stage"] == "auto"
+    assert {"zero_optimization.stage", "zero_optimization.offload_param.device"} <= set(out.left_auto)
+    # the Trainer builds a DeepSpeedPlugin from its file too, which wants the ZeRO section
+    no_zero = {k: v for k, v in HF_AUTO.items() if k != "zero_optimization"}
+    problems = _problems(no_zero, accelerate=False, filled_by="script")
+    assert list(problems) == ["zero_optimization"] and "Please specify the ZeRO" in problems["zero_optimization"]

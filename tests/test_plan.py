@@ -154,3 +154,43 @@ def test_every_node_knows_the_master_and_the_directory_to_put_first_on_path(tmp_
     assert off.nodes[0].path_prepend is None
     bare = make_plan(_spec(tmp_path), _pool(("a", 1)), _inputs(python="python3"))  # not resolved: nothing to put
     assert bare.nodes[0].path_prepend is None
+
+
+HF_TRAINER_SCRIPT = "from transformers import Trainer, TrainingArguments\n"
+#: Hugging Face's ZeRO-2 example for the Trainer, in short: what it fills is "auto".
+HF_DS = {"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto", "gradient_accumulation_steps": "auto",
+         "gradient_clipping": "auto", "fp16": {"enabled": "auto"},
+         "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
+         "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                                                      "warmup_num_steps": "auto"}},
+         "zero_optimization": {"stage": 2, "reduce_bucket_size": "auto"}}
+HF_LEFT = ["train_micro_batch_size_per_gpu", "train_batch_size", "gradient_accumulation_steps", "gradient_clipping",
+           "fp16.enabled", "optimizer.params.lr", "optimizer.params.betas", "optimizer.params.eps",
+           "optimizer.params.weight_decay", "scheduler.params.warmup_min_lr", "scheduler.params.warmup_max_lr",
+           "scheduler.params.warmup_num_steps", "zero_optimization.reduce_bucket_size"]
+
+
+def test_orch_plan_says_who_fills_the_deepspeed_configs_autos(tmp_path, orch, write_spec) -> None:
+    import json
+    (tmp_path / "hf_trainer.py").write_text(HF_TRAINER_SCRIPT)
+    (tmp_path / "ds.json").write_text(json.dumps(HF_DS))
+    spec = write_spec(entrypoint="hf_trainer.py", deepspeed_config="ds.json", num_gpus=2,
+                      args=["--deepspeed", "ds.json"])
+    r = orch("plan", str(spec), check=True)
+    line = ('deepspeed config: "auto" values filled by the script (detected: hf_trainer.py imports '
+            f'transformers.Trainer); left auto: {", ".join(HF_LEFT)}')
+    assert line in r.stdout.replace("\n", " ") or line in r.stdout
+    plan = orch.json("plan", str(spec))
+    assert plan["deepspeed_autos"] == {"filled_by": "script", "why": "detected: hf_trainer.py imports "
+                                       "transformers.Trainer", "left_auto": HF_LEFT}
+    assert plan["deepspeed_config"]["optimizer"]["params"]["lr"] == "auto"
+    # told that orch fills them: refused, with today's message and what to set
+    r = orch("plan", str(write_spec(entrypoint="hf_trainer.py", deepspeed_config="ds.json",
+                                    deepspeed_config_filled_by="orch")))
+    assert r.returncode == 2 and 'optimizer.params.betas: is "auto", but nothing fills this key' in r.stderr
+    assert "deepspeed_config_filled_by: script" in r.stderr and "Traceback" not in r.stderr
+    # a config without "auto": nothing to say
+    (tmp_path / "plain.json").write_text(json.dumps({"train_micro_batch_size_per_gpu": 1}))
+    plain = orch.json("plan", str(write_spec(entrypoint="hf_trainer.py", deepspeed_config="plain.json")))
+    assert plain["deepspeed_autos"] is None
+    assert make_plan(_spec(tmp_path), _pool(("n0", 1)), _inputs()).to_dict()["deepspeed_autos"] is None

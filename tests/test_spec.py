@@ -217,3 +217,101 @@ def test_env_passthrough_entries_must_be_names_or_patterns(project: Path) -> Non
     text = str(info.value)
     assert "env_passthrough (line 3): expected variable names or shell patterns of them" in text
     assert "got 'TWO WORDS'" in text  # the first bad entry is named
+
+
+# ------------------------------------------------------------------ who fills the DeepSpeed config's "auto"
+
+HF_TRAINER_PY = """\
+import torch
+from transformers import (GPT2Config, GPT2LMHeadModel, HfArgumentParser, Trainer, TrainerCallback,
+                          TrainingArguments)
+"""
+#: Hugging Face's ZeRO-2 example for the Trainer, in short: what it fills is "auto".
+HF_DS = {"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto", "gradient_accumulation_steps": "auto",
+         "gradient_clipping": "auto", "fp16": {"enabled": "auto"},
+         "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
+         "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                                                      "warmup_num_steps": "auto"}},
+         "zero_optimization": {"stage": 2, "reduce_bucket_size": "auto"}}
+
+
+def _ds_job(project: Path, script: str, source: str, **fields):
+    from orchestrator.spec import job_deepspeed
+    (project / script).write_text(source)
+    spec = spec_from_dict({"name": "hf", "entrypoint": script, "deepspeed_config": HF_DS, **fields}, project)
+    return job_deepspeed(spec, [2, 2], {})
+
+
+def test_deepspeed_config_filled_by_is_a_choice_of_three(project: Path) -> None:
+    assert load_spec(_write(project, "name: a\nentrypoint: train.py\n")).deepspeed_config_filled_by == "auto"
+    p = _write(project, "name: a\nentrypoint: train.py\ndeepspeed_config_filled_by: script\n")
+    assert load_spec(p).deepspeed_config_filled_by == "script"
+    p = _write(project, "name: a\nentrypoint: train.py\ndeepspeed_config_filled_by: trainer\n")
+    with pytest.raises(SpecError) as err:
+        load_spec(p)
+    assert "deepspeed_config_filled_by (line 3)" in str(err.value) and "'auto', 'orch' or 'script'" in str(err.value)
+    assert "got 'trainer'" in str(err.value)
+
+
+def test_a_script_that_imports_the_hf_trainer_fills_the_autos(project: Path) -> None:
+    job = _ds_job(project, "hf_trainer.py", HF_TRAINER_PY)
+    assert job.autos["filled_by"] == "script"
+    assert job.autos["why"] == "detected: hf_trainer.py imports transformers.Trainer"
+    assert "optimizer.params.betas" in job.autos["left_auto"] and "train_batch_size" in job.autos["left_auto"]
+    assert job.config["optimizer"]["params"]["betas"] == "auto" and job.config["zero_optimization"]["stage"] == 2
+
+
+def test_a_script_without_them_leaves_the_autos_to_orch(project: Path) -> None:
+    from orchestrator.errors import ConfigError
+    with pytest.raises(ConfigError) as err:
+        _ds_job(project, "train.py", "import deepspeed\nimport transformers\nmodel = transformers.AutoModel\n")
+    text = str(err.value)
+    assert "optimizer.params.betas: is \"auto\", but nothing fills this key" in text  # today's message
+    assert "filled by orch: detected: train.py imports neither transformers' Trainer/TrainingArguments nor " \
+           "accelerate's Accelerator" in text and "deepspeed_config_filled_by: script" in text
+    # the spec's word wins over detection, either way
+    assert _ds_job(project, "train.py", "import deepspeed\n", deepspeed_config_filled_by="script").autos == {
+        "filled_by": "script", "why": "deepspeed_config_filled_by: script in the job spec",
+        "left_auto": _ds_job(project, "hf_trainer.py", HF_TRAINER_PY).autos["left_auto"]}
+    with pytest.raises(ConfigError, match="filled by orch: deepspeed_config_filled_by: orch in the job spec"):
+        _ds_job(project, "hf_trainer.py", HF_TRAINER_PY, deepspeed_config_filled_by="orch")
+
+
+def test_a_config_without_auto_is_resolved_as_always(project: Path) -> None:
+    job = _ds_job(project, "hf_trainer.py", HF_TRAINER_PY, deepspeed_config={"train_micro_batch_size_per_gpu": 2})
+    assert job.autos is None and job.config == {"train_micro_batch_size_per_gpu": 2}
+
+
+def test_a_module_entrypoint_is_not_read(project: Path) -> None:
+    from orchestrator.spec.dssources import who_fills
+    filler = who_fills("auto", "pkg.train", module=True)
+    assert filler.filled_by == "orch" and "module (module: true)" in filler.why
+    assert who_fills("auto", "./run.sh", no_python=True).filled_by == "orch"
+
+
+@pytest.mark.parametrize("source, args, library, why", [
+    ("import transformers\ntransformers.Trainer(model=None)\n", (), "transformers", "uses transformers.Trainer"),
+    ("from trl import SFTTrainer\n", (), "transformers", "imports trl.SFTTrainer"),
+    ("from transformers import AutoModel\n", ("--deepspeed", "ds.json"), "transformers", "is given --deepspeed FILE"),
+    ("from transformers import AutoModel\n", ("--deepspeed", "--deepspeed_config", "ds.json"), None, "neither"),
+    ("from accelerate import Accelerator\nfrom transformers import AutoModel\n", (), "accelerate",
+     "imports accelerate.Accelerator"),
+    ("import accelerate as acc\n", (), None, "neither"),
+    ("import accelerate\nacc = accelerate.Accelerator()\n", (), "accelerate", "uses accelerate.Accelerator"),
+    ("# from transformers import Trainer\nprint('Trainer')\n", (), None, "neither"),
+    ("def broken(:\n", (), None, "does not parse as Python"),
+])
+def test_what_fills_is_read_from_the_scripts_source(tmp_path: Path, source, args, library, why) -> None:
+    from orchestrator.spec.dssources import script_library
+    (tmp_path / "s.py").write_text(source)
+    found, reason = script_library(str(tmp_path / "s.py"), args)
+    assert found == library and why in reason
+    assert script_library(str(tmp_path / "missing.py"))[1].startswith("not detected: cannot read")
+
+
+def test_an_accelerate_script_fills_only_what_accelerate_fills(project: Path) -> None:
+    from orchestrator.errors import ConfigError
+    with pytest.raises(ConfigError) as err:  # DummyOptim gives lr and weight_decay; Adam's betas and eps it has not
+        _ds_job(project, "acc.py", "from accelerate import Accelerator\n")
+    assert [k for k, _ in err.value.problems] == ["optimizer.params.betas", "optimizer.params.eps"]
+    assert "neither orch nor the script fills it" in str(err.value)

@@ -1,7 +1,10 @@
-"""Checkpoints on disk: which tags are complete, DeepSpeed's universal conversion, export.
+"""Checkpoints on disk in every format orch reads (orch's marker, DeepSpeed, HF Trainer, Accelerate):
+which are complete, which are damaged since their save (the manifest), DeepSpeed's universal
+conversion, export.
 
-May import: ``orchestrator.errors``. Reads and writes checkpoint directories; runs DeepSpeed's own
-converter as a subprocess.
+May import: ``orchestrator.errors``, ``agents.manifest`` (the hash the agents record). Reads checkpoint
+directories; writes only DeepSpeed's ``latest`` (``formats.point_latest``) and orch's own conversions;
+runs DeepSpeed's converter as a subprocess.
 """
 
 from .export import ExportResult, choose_tag, consolidated_state_dict, export_checkpoint

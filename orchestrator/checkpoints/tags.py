@@ -53,8 +53,11 @@ class CheckpointInfo:
         tag: the directory name (DeepSpeed's checkpoint tag).
         path: the tag directory.
         step: the step saved (from the marker), or -1 if unknown.
-        world_size, zero_stage, dp_world_size: from the marker, or None.
-        problems: why the tag is incomplete; empty when complete.
+        world_size, zero_stage, dp_world_size: from the marker (or the format's own files), or None.
+        problems: why the tag is incomplete (or damaged, or marked bad); empty when complete.
+        format: the format that read it (``orchestrator.checkpoints.formats``): ``orch``,
+            ``deepspeed``, ``hf_trainer`` or ``accelerate``.
+        notes: things worth saying that do not make it incomplete.
     """
 
     tag: str
@@ -64,11 +67,19 @@ class CheckpointInfo:
     zero_stage: int | None = None
     dp_world_size: int | None = None
     problems: tuple[str, ...] = field(default_factory=tuple)
+    format: str = "orch"
+    notes: tuple[str, ...] = field(default_factory=tuple)
 
     @property
     def complete(self) -> bool:
         """True when nothing is missing."""
         return not self.problems
+
+    def to_dict(self) -> dict:
+        """JSON-able form (``orch status``, ``orch resume --dry-run``)."""
+        return {"tag": self.tag, "path": self.path, "step": self.step, "format": self.format,
+                "complete": self.complete, "problems": list(self.problems), "notes": list(self.notes),
+                "world_size": self.world_size, "zero_stage": self.zero_stage, "dp_world_size": self.dp_world_size}
 
 
 def _nonempty(path: Path) -> bool:

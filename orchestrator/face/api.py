@@ -100,6 +100,10 @@ def _job_routes(controller: Controller) -> APIRouter:
         job = controller.resume(job_id, exclude_hosts=exclude, fresh=fresh)
         return job_detail(store, job.id)
 
+    @api.get("/{job_id}/resume-preview")
+    def resume_preview(job_id: str) -> dict[str, Any]:
+        return controller.resume_preview(job_id)
+
     @api.get("/{job_id}/events")
     def events(job_id: str, since: int = 0) -> list[dict[str, Any]]:
         job = store.get_job(job_id)

@@ -1,7 +1,7 @@
 """What users see of their jobs: controller metrics, Prometheus targets files, the views the CLI, API
 and dashboard show.
 
-May import: ``orchestrator.errors``, ``orchestrator.store``.
+May import: ``orchestrator.errors``, ``orchestrator.checkpoints``, ``orchestrator.store``.
 """
 
 from .hints import next_steps

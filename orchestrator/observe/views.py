@@ -17,6 +17,7 @@ from typing import Any
 
 from ..errors import NotFoundError
 from ..store import AttemptRecord, JobRecord, Store
+from .checkpoints import checkpoints_view
 from .hints import next_steps
 
 __all__ = ["job_summary", "job_detail", "rank_rows", "node_rows", "read_log", "progress_of", "log_path"]
@@ -182,6 +183,7 @@ def job_detail(store: Store, job_id: str) -> dict[str, Any]:
         d["checkpoint_dir"] = current.plan.get("checkpoint_dir")
         d["ranks"] = rank_rows(store, current)
         d["node_states"] = node_rows(store, current, current.cause)
+        d["checkpoints"] = checkpoints_view(store, job, current)
     else:
         d["ranks"] = []
         d["node_states"] = []

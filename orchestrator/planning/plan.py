@@ -59,6 +59,12 @@ class PlanInputs:
             empty for a job without an Accelerate config.
         accelerate_env_defaults: variables ``accelerate launch`` passes on where a node lacks them.
         config_warnings: notes on the Accelerate and DeepSpeed configs (shown with the plan's warnings).
+        resume_args: added to the entrypoint's arguments when ``resume_tag`` is set (the spec's
+            ``resume.args``, placeholders filled), e.g. ``("--resume_from_checkpoint", "/ckpt/checkpoint-20")``.
+        resume_env: variables every rank gets when ``resume_tag`` is set (``ORCH_RESUME_CHECKPOINT``,
+            the spec's ``resume.env``).
+        checkpoint_watch: what every agent watches for new checkpoint files (``agents.manifest``):
+            ``{"dir", "tag_pattern", "hash", "sample_above", "interval_s"}``; None: nothing.
     """
 
     job_id: str
@@ -79,6 +85,9 @@ class PlanInputs:
     accelerate_env: Mapping[str, str] = field(default_factory=dict)
     accelerate_env_defaults: Mapping[str, str] = field(default_factory=dict)
     config_warnings: tuple[str, ...] = ()
+    resume_args: tuple[str, ...] = ()
+    resume_env: Mapping[str, str] = field(default_factory=dict)
+    checkpoint_watch: Mapping[str, Any] | None = None
 
     @property
     def attempt_id(self) -> str:
@@ -140,6 +149,8 @@ class NodePlan:
         master: ``{"addr", "port", "spans_hosts"}``: the rendezvous point, and whether the job's
             nodes are on more than one machine (any provisioner but ``local``, with two nodes or
             more). The agent picks the interface of the ranks' collectives by it (``agents.network``).
+        checkpoint_watch: what the agent watches for checkpoint files (:class:`PlanInputs`), with the
+            attempt's ``world_size``; or None.
     """
 
     node_rank: int
@@ -155,6 +166,7 @@ class NodePlan:
     deepspeed_monitor_dir: str | None = None
     master: Mapping[str, Any] | None = None
     path_prepend: str | None = None
+    checkpoint_watch: Mapping[str, Any] | None = None
 
     def to_dict(self) -> dict:
         """JSON-able form (what the agent receives in its ``start`` message)."""
@@ -163,7 +175,8 @@ class NodePlan:
                 "log_dir": self.log_dir, "agent_store": dict(self.agent_store) if self.agent_store else None,
                 "env_defaults": dict(self.env_defaults), "metrics_port": self.metrics_port,
                 "metrics_dir": self.metrics_dir, "deepspeed_monitor_dir": self.deepspeed_monitor_dir,
-                "master": dict(self.master) if self.master else None, "path_prepend": self.path_prepend}
+                "master": dict(self.master) if self.master else None, "path_prepend": self.path_prepend,
+                "checkpoint_watch": dict(self.checkpoint_watch) if self.checkpoint_watch else None}
 
 
 @dataclass(frozen=True)
@@ -185,6 +198,8 @@ class JobPlan:
         grace: seconds between SIGTERM and SIGKILL when stopping ranks.
         warnings: things the user should know (from filtering and planning).
         resume_universal_from: the tag a universal ``resume_tag`` was converted from, or None.
+        deepspeed_autos: for a DeepSpeed config of the spec's with "auto" values, who fills them, why,
+            and the keys left "auto" (``orchestrator.spec.JobDeepSpeed.autos``); else None.
     """
 
     job_id: str
@@ -206,6 +221,7 @@ class JobPlan:
     grace: float
     warnings: tuple[str, ...] = ()
     resume_universal_from: str | None = None
+    deepspeed_autos: Mapping[str, Any] | None = None
 
     @property
     def attempt_id(self) -> str:
@@ -230,6 +246,7 @@ class JobPlan:
             "deepspeed_config": dict(self.deepspeed_config),
             "deepspeed_config_path": self.deepspeed_config_path, "grace": self.grace,
             "warnings": list(self.warnings),
+            "deepspeed_autos": dict(self.deepspeed_autos) if self.deepspeed_autos is not None else None,
         }
 
 
@@ -251,6 +268,7 @@ def orch_env(spec: JobSpec, inputs: PlanInputs, node_rank: int, host: str) -> di
         env["ORCH_DEEPSPEED_CONFIG"] = inputs.deepspeed_config_path
     if inputs.resume_tag:
         env["ORCH_RESUME_TAG"] = inputs.resume_tag
+        env.update(inputs.resume_env)
         if inputs.resume_universal_from:
             env["ORCH_RESUME_UNIVERSAL"] = "1"
     return env
@@ -342,6 +360,8 @@ def make_plan(spec: JobSpec, pool: ResourcePool, inputs: PlanInputs) -> JobPlan:
     args = list(spec.args)
     if spec.deepspeed_args and (spec.deepspeed_config is not None or inputs.deepspeed_config):
         args += ["--deepspeed", "--deepspeed_config", inputs.deepspeed_config_path]
+    if inputs.resume_tag:
+        args += inputs.resume_args
     exports = _launcher_exports(spec, inputs, len(pool.nodes))
     ctx = LaunchContext(
         world=pool.nodes, master_addr=spec.master_addr or inputs.default_master_addr,
@@ -358,6 +378,8 @@ def make_plan(spec: JobSpec, pool: ResourcePool, inputs: PlanInputs) -> JobPlan:
     master = {"addr": ctx.master_addr, "port": ctx.master_port,
               "spans_hosts": spec.provisioner != "local" and len(pool.nodes) > 1}
     path_prepend = os.path.dirname(inputs.python) if spec.prepend_python_bin and os.path.isabs(inputs.python) else None
+    world = sum(len(slots) for _, slots in pool.nodes)
+    watch = {**inputs.checkpoint_watch, "world_size": world} if inputs.checkpoint_watch else None
     nodes = []
     for node_rank, (host, slots) in enumerate(pool.nodes):
         extra = orch_env(spec, inputs, node_rank, host)
@@ -371,7 +393,7 @@ def make_plan(spec: JobSpec, pool: ResourcePool, inputs: PlanInputs) -> JobPlan:
                               {"addr": store[0], "port": store[1]} if store else None, defaults,
                               _metrics_port(spec, pool, node_rank), metrics_dir,
                               monitor_dir if any(r.global_rank == 0 for r in ranks) else None, master,
-                              path_prepend))
+                              path_prepend, watch))
     shown = replace(ctx, exports={**exports, **spec.env})  # what the real tool would export
     return JobPlan(
         job_id=inputs.job_id, job_name=spec.name, attempt=inputs.attempt, launcher=launcher.name,

@@ -37,20 +37,25 @@ warmup_min_lr`` / ``warmup_max_lr`` / ``warmup_num_steps`` /     (``DummyOptim``
 Any other ``"auto"`` is an error, as in Accelerate (``fill_match``: "not found in kwargs").
 The checks (:func:`check`) are DeepSpeed's and Accelerate's own rules, each named where it is
 applied.
+
+With ``filled_by="script"`` (a script that fills the config itself: the HF Trainer, or Accelerate)
+orch fills only the ZeRO settings it hands the ranks as ``ACCELERATE_DEEPSPEED_*``; every other
+"auto" the script fills (:data:`HF_TRAINER_KEYS`, :data:`ACCELERATE_KEYS`) is left to it, and the
+rules are checked on the values that are not "auto".
 """
 
 from __future__ import annotations
 
 import copy
-import json
-import os
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping
+from typing import Any, Collection, Iterator, Mapping
 
 from ..errors import ConfigError
+from .dssources import hidden_size_from_model_config  # re-exported: callers import it from here
 
 __all__ = ["AUTO", "DeepSpeedSettings", "RunFacts", "ResolvedConfig", "plugin_config", "resolve", "check",
-           "hidden_size_from_model_config", "HIDDEN_SIZE_KEYS", "SCRIPT_FILLED_KEYS", "SETTING_KEYS"]
+           "hidden_size_from_model_config", "HIDDEN_SIZE_KEYS", "SCRIPT_FILLED_KEYS", "SETTING_KEYS",
+           "ACCELERATE_KEYS", "HF_TRAINER_KEYS"]
 
 AUTO = "auto"
 
@@ -73,6 +78,15 @@ SCRIPT_FILLED_KEYS = ("optimizer.params.lr", "optimizer.params.weight_decay", "s
                       "scheduler.params.warmup_max_lr", "scheduler.params.warmup_num_steps",
                       "scheduler.params.total_num_steps")
 _BATCH_KEYS = ("train_micro_batch_size_per_gpu", "train_batch_size")
+#: The "auto" keys a script's own Accelerate fills (``DeepSpeedPlugin.__post_init__``, ``set_mixed_precision``,
+#: ``Accelerator._prepare_deepspeed``; any other fails there: "not found in kwargs").
+ACCELERATE_KEYS = (*SETTING_KEYS.values(), "fp16.enabled", "bf16.enabled", *_BATCH_KEYS, *HIDDEN_SIZE_KEYS,
+                   *SCRIPT_FILLED_KEYS)
+#: ... and the HF Trainer, which runs on Accelerate (transformers 5.24 ``integrations/deepspeed.py``,
+#: ``HfTrainerDeepSpeedConfig.trainer_config_process`` and ``trainer_config_finalize``: Adam's betas and eps too).
+HF_TRAINER_KEYS = (*ACCELERATE_KEYS, "optimizer.params.betas", "optimizer.params.eps")
+#: The settings orch still fills under a script: the HF Trainer fills accumulation and clipping itself, first.
+_ZERO_SETTINGS = tuple(n for n in SETTING_KEYS if n not in ("gradient_accumulation_steps", "gradient_clipping"))
 _OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 _ZERO_PP_KEYS = ("zero_quantized_weights", "zero_quantized_gradients", "zero_hpz_partition_size")
 
@@ -154,7 +168,8 @@ class ResolvedConfig:
         config: the config with every "auto" orch can fill filled (a new dict).
         warnings: things the user should know (settings the config overrides, keys left
             "auto" for the script's Accelerate, rules that are advice rather than errors).
-        left_auto: key paths still "auto" (only SCRIPT_FILLED_KEYS, only under Accelerate).
+        left_auto: key paths still "auto": SCRIPT_FILLED_KEYS under Accelerate; with
+            ``filled_by="script"``, every "auto" the script fills.
     """
 
     config: dict
@@ -233,12 +248,13 @@ def _fill(config: dict, dotted: str, value: Any) -> bool:
     return False
 
 
-def _fill_settings(config: dict, settings: DeepSpeedSettings, warnings: list[str]) -> None:
+def _fill_settings(config: dict, settings: DeepSpeedSettings, warnings: list[str],
+                   names: tuple[str, ...] = tuple(SETTING_KEYS)) -> None:
     """Accelerate's ``DeepSpeedPlugin.__post_init__``: each setting fills its key where the
     config says "auto"; where the config has a value, the config's value is kept (and a
     setting the user gave is reported as overridden)."""
-    for name, key in SETTING_KEYS.items():
-        value = settings.value(name)
+    for name in names:
+        key, value = SETTING_KEYS[name], settings.value(name)
         if _fill(config, key, value):
             continue
         have = _get(config, key)
@@ -294,7 +310,11 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _unfilled_problem(key: str, accelerate: bool) -> Problem:
+def _unfilled_problem(key: str, accelerate: bool, script: bool = False) -> Problem:
+    if script:
+        return (key, "is \"auto\", but neither orch nor the script fills it: the HF Trainer and Accelerate fill "
+                     "only the keys listed in docs/accelerate.md (Accelerate fails on any other: \"not found in "
+                     "kwargs\"). Write the value here")
     if key == "train_batch_size":
         return (key, "is \"auto\" (micro batch x accumulation x world size) and the micro batch is not known; "
                      "set micro_batch_size in the job spec (orch run/submit --micro-batch-size N), or write a number")
@@ -316,7 +336,8 @@ def _unfilled_problem(key: str, accelerate: bool) -> Problem:
 
 
 def resolve(config: Mapping[str, Any], settings: DeepSpeedSettings, run: RunFacts, *, accelerate: bool,
-            from_file: bool = True, source: str = "DeepSpeed config") -> ResolvedConfig:
+            from_file: bool = True, source: str = "DeepSpeed config", filled_by: str = "orch",
+            script_keys: Collection[str] = HF_TRAINER_KEYS) -> ResolvedConfig:
     """Fill every "auto" of ``config`` as Accelerate would, then :func:`check` the result.
 
     Steps, in Accelerate's order: (1) a config file without ``gradient_accumulation_steps``
@@ -327,6 +348,14 @@ def resolve(config: Mapping[str, Any], settings: DeepSpeedSettings, run: RunFact
     world size, the three hidden-size keys; (5) :data:`SCRIPT_FILLED_KEYS` stay "auto" under
     Accelerate (a warning) and are errors without it; any other "auto" is an error.
 
+    With ``filled_by="script"`` the script fills its "auto" values itself, so orch fills only what
+    the script's filling would agree with: the ZeRO settings under Accelerate (orch gives the ranks
+    them as ``ACCELERATE_DEEPSPEED_*`` and ``DeepSpeedPlugin`` fills from those); the rest of
+    ``script_keys`` stays "auto" (``left_auto``): the HF Trainer fills batch sizes, accumulation,
+    clipping, optimizer and scheduler params and fp16/bf16 from its ``TrainingArguments`` and
+    *refuses* a value that differs (``HfTrainerDeepSpeedConfig.fill_match``), the hidden-size keys
+    from the model it loads. Any other "auto" is an error; the rules apply to the other values.
+
     Args:
         config: the DeepSpeed config (not modified).
         settings: the job's settings (``DeepSpeedSettings()`` for a job without Accelerate:
@@ -336,6 +365,9 @@ def resolve(config: Mapping[str, Any], settings: DeepSpeedSettings, run: RunFact
             script's optimizer/scheduler values left "auto", settings reported when overridden).
         from_file: the config is the user's (a file or inline), not :func:`plugin_config`'s.
         source: how to name the config in the error message.
+        filled_by: ``"orch"`` (orch fills, as above) or ``"script"``.
+        script_keys: under ``"script"``, the keys the script fills (:data:`HF_TRAINER_KEYS`, or
+            :data:`ACCELERATE_KEYS` for a script on Accelerate without the Trainer).
 
     Returns:
         The :class:`ResolvedConfig`.
@@ -346,27 +378,34 @@ def resolve(config: Mapping[str, Any], settings: DeepSpeedSettings, run: RunFact
     config = copy.deepcopy(dict(config))
     problems: list[Problem] = []
     warnings: list[str] = []
-    if accelerate and from_file:
-        config.setdefault("gradient_accumulation_steps", 1)
+    script = filled_by == "script"
+    if (accelerate or script) and from_file:  # the HF Trainer builds a DeepSpeedPlugin from its file too
+        if not script:
+            config.setdefault("gradient_accumulation_steps", 1)
         if "zero_optimization" not in config:
             problems.append(("zero_optimization", "is missing; Accelerate requires the ZeRO section in a DeepSpeed "
                              "config file (DeepSpeedPlugin: 'Please specify the ZeRO optimization config'). Add "
                              "\"zero_optimization\": {\"stage\": 2} (or the stage you want)"))
-    _fill_settings(config, settings, warnings)
-    problems += _mixed_precision(config, settings, accelerate)
-    _fill(config, "gradient_accumulation_steps", 1)  # the Accelerator's own default
-    values = _run_values(config, run)
+    if script:
+        if accelerate:
+            _fill_settings(config, settings, warnings, _ZERO_SETTINGS)
+        values: dict[str, Any] = {}
+    else:
+        _fill_settings(config, settings, warnings)
+        problems += _mixed_precision(config, settings, accelerate)
+        _fill(config, "gradient_accumulation_steps", 1)  # the Accelerator's own default
+        values = _run_values(config, run)
     left: list[str] = []
     for key, parent, name, value in _leaves(config):
         if value != AUTO:
             continue
         if key in values:
             parent[name] = values[key]
-        elif accelerate and key in SCRIPT_FILLED_KEYS:
+        elif (key in script_keys) if script else (accelerate and key in SCRIPT_FILLED_KEYS):
             left.append(key)
         else:
-            problems.append(_unfilled_problem(key, accelerate))
-    if left:
+            problems.append(_unfilled_problem(key, accelerate, script))
+    if left and not script:
         warnings.append(f"left \"auto\" for the script's Accelerate to fill from its DummyOptim/DummyScheduler in "
                         f"accelerator.prepare(): {', '.join(left)} (a script without them fails on these)")
     if not problems:
@@ -407,8 +446,11 @@ def check(config: Mapping[str, Any], run: RunFacts,
       train_batch_size = micro x accumulation x world size;
     * ``zero3_init_flag`` only at stage 3 (a warning; Accelerate turns it off).
 
+    A value still "auto" (the script fills it) is unknown: the rules that need it are skipped, but
+    a ``train_batch_size`` must still be a multiple of what is known of micro x accumulation x world.
+
     Args:
-        config: a config with no "auto" left where it matters.
+        config: a resolved config ("auto" left only where the script fills it).
         run: world size and slots per node.
         settings: the Accelerate settings (for ``zero3_init_flag``), or None.
 
@@ -422,7 +464,9 @@ def check(config: Mapping[str, Any], run: RunFacts,
         problems.append(("zero_optimization", f"must be a mapping (e.g. {{\"stage\": 2}}); got {zero!r}"))
         zero = {}
     stage = zero.get("stage", 0)
-    if not _is_int(stage) or not 0 <= stage <= 3:
+    if stage == AUTO:
+        stage = None
+    elif not _is_int(stage) or not 0 <= stage <= 3:
         problems.append(("zero_optimization.stage", f"must be 0, 1, 2 or 3; got {stage!r}"))
         stage = None
     problems += _offload_problems(zero, stage)
@@ -458,6 +502,8 @@ def _offload_problems(zero: Mapping[str, Any], stage: int | None) -> list[Proble
             continue
         key = f"zero_optimization.{part}"
         device = section.get("device", "none")
+        if device == AUTO:
+            continue
         if device not in _OFFLOAD_DEVICES:
             problems.append((f"{key}.device", f"must be one of none, cpu, nvme; got {device!r}"))
             continue
@@ -466,7 +512,7 @@ def _offload_problems(zero: Mapping[str, Any], stage: int | None) -> list[Proble
                              "only with ZeRO stage 3 (DeepSpeed: offload_param is 'valid only with stage 3'). "
                              f"Set zero_optimization.stage to 3 (zero_stage: 3), or {key}.device to \"none\""))
         path = section.get("nvme_path")
-        if device == "nvme" and (path is None or str(path).strip().lower() in ("", "none")):
+        if device == "nvme" and path != AUTO and (path is None or str(path).strip().lower() in ("", "none")):
             problems.append((f"{key}.nvme_path", f"{what} offload to NVMe needs the directory to swap to, and none "
                              f"is given (got {path!r}). Set {key}.nvme_path (or {acc}_nvme_path in the Accelerate "
                              "config) to a directory on the NVMe drive of every node"))
@@ -506,10 +552,12 @@ def _batch_problems(config: Mapping[str, Any], world: int) -> list[Problem]:
     problems: list[Problem] = []
     for key, value in (("train_batch_size", tb), ("train_micro_batch_size_per_gpu", mb),
                        ("gradient_accumulation_steps", ga)):
-        if value is not None and (not _is_int(value) or value <= 0):
+        if value is not None and value != AUTO and (not _is_int(value) or value <= 0):
             problems.append((key, f"must be a whole number greater than 0; got {value!r}"))
     if problems:
         return problems
+    if AUTO in (tb, mb, ga):
+        return _batch_auto_problems(tb, mb, ga, world)
     if tb is None and mb is None:
         return [("train_micro_batch_size_per_gpu", "neither train_batch_size nor train_micro_batch_size_per_gpu "
                  "is set; DeepSpeed needs one of them. Set train_micro_batch_size_per_gpu (or \"auto\" with "
@@ -532,41 +580,14 @@ def _batch_problems(config: Mapping[str, Any], world: int) -> list[Problem]:
     return []
 
 
-def hidden_size_from_model_config(path: str | os.PathLike) -> int:
-    """The hidden size of a Hugging Face model config, as Accelerate reads it.
+def _batch_auto_problems(tb: Any, mb: Any, ga: Any, world: int) -> list[Problem]:
+    """Batch sizes the script fills ("auto": train_batch_size = micro x accumulation x world size,
+    ``HfTrainerDeepSpeedConfig.trainer_config_process``): a ``train_batch_size`` given as a number must
+    be a multiple of the world size times the factors given as numbers, or no filling can match it."""
+    known = world * (mb if _is_int(mb) else 1) * (ga if _is_int(ga) else 1)
+    if not _is_int(tb) or tb % known == 0:
+        return []
+    return [("train_batch_size", f"{tb} is not a multiple of {known} (world size {world} x the micro batch and "
+             "accumulation given as numbers): no micro batch x accumulation the script fills in gives "
+             f"{tb}, and it refuses the mismatch. Set train_batch_size to \"auto\", or to a multiple of {known}")]
 
-    Source: ``Accelerator._prepare_deepspeed``: ``model.config.hidden_size``, else
-    ``max(model.config.hidden_sizes)``.
-
-    Args:
-        path: a ``config.json`` file, or a directory holding one (a model's folder).
-
-    Returns:
-        The hidden size (an int > 0).
-
-    Raises:
-        ConfigError: the file is missing or not JSON, or has neither key (or a bad value).
-    """
-    p = os.fspath(path)
-    if os.path.isdir(p):
-        p = os.path.join(p, "config.json")
-    try:
-        with open(p, encoding="utf-8") as f:
-            data = json.load(f)
-    except OSError as err:
-        raise ConfigError(f"model_config {p}: cannot read it: {err.strerror}.", path=p) from err
-    except json.JSONDecodeError as err:
-        raise ConfigError(f"model_config {p} is not valid JSON: {err.msg} at line {err.lineno}.", path=p) from err
-    except UnicodeDecodeError as err:
-        raise ConfigError(f"model_config {p} is not UTF-8 text (bad byte at offset {err.start}); expected a "
-                          "JSON file.", path=p) from err
-    value: Any = None
-    if isinstance(data, dict):
-        if "hidden_size" in data:
-            value = data["hidden_size"]
-        elif isinstance(data.get("hidden_sizes"), list) and data["hidden_sizes"]:
-            value = max(data["hidden_sizes"])
-    if not _is_int(value) or value <= 0:
-        raise ConfigError(f"model_config {p} has neither a positive hidden_size nor hidden_sizes (got {value!r}); "
-                          "set hidden_size in the job spec instead.", path=p)
-    return value

@@ -5,14 +5,20 @@ with the ``ACCELERATE_*`` environment ``accelerate launch`` would give the ranks
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from ..errors import ConfigError
 from .accelerate import AccelerateConfig, AccelerateSettings, load_accelerate_config
-from .dsconfig import DeepSpeedSettings, ResolvedConfig, RunFacts, hidden_size_from_model_config, plugin_config, resolve
+from .dsconfig import (ACCELERATE_KEYS, HF_TRAINER_KEYS, HIDDEN_SIZE_KEYS, DeepSpeedSettings, ResolvedConfig,
+                       RunFacts, hidden_size_from_model_config, plugin_config, resolve)
+from .dssources import Filler, has_auto, who_fills
 from .files import read_deepspeed_config
 
 __all__ = ["JobDeepSpeed", "job_deepspeed"]
+
+_BATCH_KEYS = ("train_micro_batch_size_per_gpu", "train_batch_size")
 
 
 @dataclass(frozen=True)
@@ -28,6 +34,8 @@ class JobDeepSpeed:
         workdir, pythonpath: for :meth:`env`.
         spec_env: names the spec's ``env`` sets: those win over the ``ACCELERATE_*`` variables
             (``PYTHONPATH`` is built from the spec's instead).
+        autos: for a config of the spec's with "auto" values, who fills them and what is left
+            "auto": ``{"filled_by": "orch" | "script", "why": ..., "left_auto": [key paths]}``; else None.
     """
 
     config: dict
@@ -38,6 +46,7 @@ class JobDeepSpeed:
     workdir: str = "."
     pythonpath: str | None = None
     spec_env: frozenset[str] = frozenset()
+    autos: Mapping[str, Any] | None = None
 
     def env(self, config_path: str) -> dict[str, str]:
         """The ``ACCELERATE_*`` variables (and ``PYTHONPATH``) of every rank; {} without Accelerate.
@@ -90,17 +99,56 @@ def job_deepspeed(spec: Any, slots_per_node: list[int] | tuple[int, ...],
     run = RunFacts(world_size=sum(slots_per_node), slots_per_node=tuple(slots_per_node),
                    micro_batch_size=spec.micro_batch_size, hidden_size=hidden, hidden_size_source=source)
     where = spec.deepspeed_config if isinstance(spec.deepspeed_config, str) else "(inline in the job spec)"
+    filler = _filler(spec, user)
     if acc is None:
-        resolved = resolve(user, DeepSpeedSettings(), run, accelerate=False, source=f"DeepSpeed config {where}")
-        return JobDeepSpeed(resolved.config, resolved.warnings)
+        resolved = _resolve(user, DeepSpeedSettings(), run, filler, accelerate=False, source=f"DeepSpeed config {where}")
+        return JobDeepSpeed(resolved.config, resolved.warnings, autos=_autos(filler, resolved))
     settings = acc.settings(spec.accelerate)
     from_file = spec.deepspeed_config is not None
     base_config = user if from_file else plugin_config(settings)
     what = f"DeepSpeed config {where}" if from_file else \
         f"DeepSpeed config built from Accelerate config {acc.source}"
-    resolved: ResolvedConfig = resolve(base_config, settings, run, accelerate=True, from_file=from_file,
-                                       source=what)
+    resolved = _resolve(base_config, settings, run, filler if from_file else None, accelerate=True,
+                        from_file=from_file, source=what)
     pythonpath = spec.env.get("PYTHONPATH", controller_env.get("PYTHONPATH"))
     return JobDeepSpeed(resolved.config, tuple(acc.notes()) + resolved.warnings, acc, spec.accelerate, from_file,
-                        spec.workdir, pythonpath, frozenset(spec.env))
+                        spec.workdir, pythonpath, frozenset(spec.env), _autos(filler if from_file else None, resolved))
+
+
+def _filler(spec: Any, user: Mapping[str, Any]) -> Filler | None:
+    """Who fills the "auto" values of the spec's own config (``deepspeed_config_filled_by``); None
+    where it has none (orch resolves it as always)."""
+    if not user or not has_auto(user):
+        return None
+    return who_fills(spec.deepspeed_config_filled_by, spec.entrypoint, module=spec.module,
+                     no_python=spec.no_python, args=spec.args)
+
+
+def _resolve(config: Mapping[str, Any], settings: DeepSpeedSettings, run: RunFacts, filler: Filler | None,
+             **kw: Any) -> ResolvedConfig:
+    """:func:`~.dsconfig.resolve` as ``filler`` says; an "auto" orch refuses gets a hint of
+    ``deepspeed_config_filled_by``, and why orch was to fill it. Under the script, a micro batch or
+    hidden size the spec gives for keys the script fills is reported unused."""
+    if filler is None or filler.filled_by == "orch":
+        try:
+            return resolve(config, settings, run, **kw)
+        except ConfigError as err:
+            if filler is None or not any('is "auto"' in msg for _, msg in err.problems):
+                raise
+            raise ConfigError(f"{err}\n(\"auto\" values are filled by orch: {filler.why}. If the script fills them "
+                              "itself, as the HF Trainer or Accelerate does, set deepspeed_config_filled_by: script "
+                              "in the job spec)", path=err.path, problems=err.problems) from err
+    keys = ACCELERATE_KEYS if filler.library == "accelerate" else HF_TRAINER_KEYS
+    resolved = resolve(config, settings, run, filled_by="script", script_keys=keys, **kw)
+    unused = [f"{name} is not used: the script fills {', '.join(left)} itself" for name, value, left in (
+        ("micro_batch_size", run.micro_batch_size, [k for k in _BATCH_KEYS if k in resolved.left_auto]),
+        (run.hidden_size_source, run.hidden_size, [k for k in HIDDEN_SIZE_KEYS if k in resolved.left_auto]))
+        if value is not None and left]
+    return dataclasses.replace(resolved, warnings=resolved.warnings + tuple(unused))
+
+
+def _autos(filler: Filler | None, resolved: ResolvedConfig) -> dict[str, Any] | None:
+    if filler is None:
+        return None
+    return {"filled_by": filler.filled_by, "why": filler.why, "left_auto": list(resolved.left_auto)}
 

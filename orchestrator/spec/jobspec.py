@@ -23,6 +23,7 @@ from ..errors import OrchError, SpecError
 from ..launchers import get_launcher
 from .accelerate import AccelerateSettings, read_for_spec
 from .files import line_of, read_deepspeed_config, read_yaml
+from .resume import ResumeOptions
 
 __all__ = ["JobSpec", "SSHOptions", "RayOptions", "load_spec", "spec_from_dict", "load_deepspeed_config", "PROVISIONERS",
            "KNOWN_LAUNCHERS", "PreflightOptions", "pass_through", "env_pattern_problem"]
@@ -174,6 +175,10 @@ class JobSpec(BaseModel):
     no_python: bool = False
     no_local_rank: bool = False
     deepspeed_config: str | dict[str, Any] | None = None
+    deepspeed_config_filled_by: Literal["auto", "orch", "script"] = Field(
+        "auto", description="Who fills the DeepSpeed config's \"auto\" values: orch; the script (the HF Trainer "
+        "or Accelerate: orch then leaves what the script fills); auto: the script where the entrypoint "
+        "uses transformers' Trainer/TrainingArguments or accelerate's Accelerator, else orch.")
     deepspeed_args: bool = False
     accelerate_config: str | dict[str, Any] | None = Field(None, description="An Accelerate config file "
                                                            "(`accelerate config`'s YAML), or its keys inline.")
@@ -186,6 +191,8 @@ class JobSpec(BaseModel):
     model_config_path: str | None = Field(None, alias="model_config", description="A Hugging Face model "
                                           "config.json (or its folder) to read the hidden size from.")
     checkpoint_dir: str | None = None
+    resume: ResumeOptions = Field(default_factory=ResumeOptions, description="Where the checkpoints are, their "
+                                  "format, and how a resumed script is told which one to load.")
     metrics_port: Annotated[int, Field(ge=1, le=65535)] | Literal["auto"] | None = "auto"
     stop_grace_seconds: float = Field(10.0, gt=0, le=3600)
     hang_timeout: float | None = Field(None, gt=0, le=86400, description="Seconds without a new step on a "
@@ -369,7 +376,7 @@ def spec_from_dict(data: Any, base_dir: str | Path = ".", source: str = "<spec>"
     Returns:
         The frozen JobSpec, with ``hostfile``, ``workdir``, ``entrypoint`` (a script
         path, unless ``module``/``no_python``), ``deepspeed_config`` (a path),
-        ``accelerate_config`` (a path), ``model_config`` and ``checkpoint_dir`` absolute.
+        ``accelerate_config`` (a path), ``model_config``, ``checkpoint_dir`` and ``resume.dir`` absolute.
 
     Raises:
         SpecError: listing every problem by field path (and line, for files).
@@ -388,6 +395,8 @@ def spec_from_dict(data: Any, base_dir: str | Path = ".", source: str = "<spec>"
     workdir = _resolve(base, spec.workdir)
     updates: dict[str, Any] = {"workdir": workdir, "hostfile": _resolve(base, spec.hostfile),
                                "checkpoint_dir": _resolve(base, spec.checkpoint_dir)}
+    if spec.resume.dir is not None:
+        updates["resume"] = spec.resume.model_copy(update={"dir": _resolve(base, spec.resume.dir)})
     if isinstance(spec.deepspeed_config, str):
         updates["deepspeed_config"] = _resolve(base, spec.deepspeed_config)
     if isinstance(spec.accelerate_config, str):

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..errors import NotFoundError, StateError
+from .ledger import LEDGER_SCHEMA, CheckpointLedger
 from .states import JobState, check_transition
 
 __all__ = ["Store", "JobRecord", "AttemptRecord", "EventRecord"]
@@ -171,7 +172,7 @@ class EventRecord:
                 "kind": self.kind, "data": self.data}
 
 
-class Store:
+class Store(CheckpointLedger):
     """The durable store. Thread-safe: one connection guarded by a lock.
 
     Example::
@@ -197,7 +198,7 @@ class Store:
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.execute("PRAGMA foreign_keys=ON")
-            self._db.executescript(_SCHEMA)
+            self._db.executescript(_SCHEMA + LEDGER_SCHEMA)
         except sqlite3.DatabaseError as err:  # not a database, or one orch cannot write
             raise StateError(f"Cannot use the state database {self.path}: {err}. It holds every job of this "
                              "state dir: if it is damaged, move it away (jobs and logs under jobs/ stay) or use "

@@ -16,14 +16,15 @@ import socket
 import threading
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import psutil
 
 from agents.ranks import kill_marked
 
-from ..checkpoints import latest_complete, needs_universal
-from ..errors import OrchError, StateError
+from ..checkpoints import needs_universal
+from ..checkpoints.deepspeed_layout import read_latest
+from ..errors import CheckpointError, OrchError, StateError
 from ..observe import ControllerMetrics, TargetsWriter, default_targets_dir
 from ..planning import JobPlan
 from ..provisioners import Provisioner, get_provisioner
@@ -32,9 +33,10 @@ from ..store import JobRecord, JobState, Store
 from .attempt import AttemptRun, AttemptServices
 from .orphans import owner_alive, recover_orphans
 from .ports import PortLease
-from .prepare import checkpoint_dir_of, prepare_plan
+from .messages import rank_log_tail
+from .prepare import prepare_plan, resume_dir_of
 from .restarts import Restarts
-from .resume import check_fresh_start, convert
+from .resume import check_fresh_start, convert, crashed_loading, find_start, rewrite_latest, tell_script
 from .settings import Timings
 
 __all__ = ["Controller", "default_state_dir", "new_job_id"]
@@ -176,26 +178,31 @@ class Controller:
         if exclude_hosts:
             spec = spec.model_copy(update={"exclude_hosts": list(dict.fromkeys([*spec.exclude_hosts, *exclude_hosts]))})
         number = job.attempt + 1
-        ckpt_dir = checkpoint_dir_of(spec, self.state_dir, job.id)
-        info, skipped = (None, []) if fresh else latest_complete(ckpt_dir)
-        if info is None and not fresh:
+        choice = None if fresh else find_start(self.store, job.id, spec, self.state_dir)
+        info = choice.chosen if choice else None
+        skipped = choice.skipped if choice else []
+        if choice is not None and info is None:
             check_fresh_start(job.id, [a.resume_tag for a in self.store.attempts(job.id) if a.resume_tag], spec,
-                              ckpt_dir, skipped, automatic)
+                              choice.dir, skipped, automatic, ever_saved=bool(choice.damaged))
+        args, env = tell_script(spec, choice) if choice else ((), {})
         plan, lease = prepare_plan(spec, self.state_dir, job.id, attempt=number,
-                                   resume_tag=info.tag if info else None)
-        if info is not None and needs_universal(info, plan.world_size):
+                                   resume_tag=info.tag if info else None, resume_args=args, resume_env=env)
+        if info is not None and info.format == "orch" and needs_universal(info, plan.world_size):
             lease.release()  # converting may take minutes; the port is reserved again below
             universal, event = convert(info, spec, plan.world_size)
             self.store.add_event(job.id, number, "checkpoint_converted", event)
             if automatic and not self.restarts.is_pending(job.id):  # cancelled (or resumed by hand) meanwhile
                 return self.store.get_job(job.id)
             plan, lease = prepare_plan(spec, self.state_dir, job.id, attempt=number, resume_tag=universal.tag,
-                                       resume_universal_from=info.tag)
+                                       resume_universal_from=info.tag, resume_args=args, resume_env=env)
         try:
             provisioner = self.provisioner_factory(spec.provisioner, spec)
+            latest = rewrite_latest(spec, choice) if choice else None
             self.store.set_state(job.id, JobState.PENDING, data={
                 "resume_tag": plan.resume_tag, "resume_universal_from": plan.resume_universal_from,
                 "fresh": fresh, "exclude_hosts": spec.exclude_hosts, "automatic": automatic,
+                "checkpoint_format": choice.format if choice else None, "resume_args": list(args),
+                "latest_rewritten": latest,
                 "skipped_checkpoints": [{"tag": s.tag, "problems": list(s.problems)} for s in skipped]})
             if exclude_hosts:
                 self.store.update_spec(job.id, spec.to_dict())
@@ -205,6 +212,39 @@ class Controller:
             raise
         self._start_attempt(spec, plan, lease, provisioner)
         return self.store.get_job(job.id)
+
+    def resume_preview(self, job_id: str) -> dict[str, Any]:
+        """What :meth:`resume` would start from, starting nothing (``orch resume --dry-run``): every
+        checkpoint found (:class:`~orchestrator.checkpoints.integrity.Choice`, contents hashed against the
+        manifest), the arguments and variables the script would get, and whether DeepSpeed's ``latest``
+        would be rewritten. Any job can be previewed, whatever its state.
+
+        Returns:
+            ``{"job": id, "state", "checkpoints": Choice.to_dict(), "resume_tag", "resume_args",
+            "resume_env", "latest": {"from", "to"} or None, "fresh_start": why or None}``.
+
+        Raises:
+            NotFoundError: no such job.
+        """
+        job = self.store.get_job(job_id)
+        spec = spec_from_dict(job.spec, source=f"job {job.id}")
+        choice = find_start(self.store, job.id, spec, self.state_dir)
+        args, env = tell_script(spec, choice)
+        latest = None
+        if choice.chosen is not None and spec.resume.rewrites_latest(choice.format):
+            before = read_latest(choice.dir)
+            latest = {"from": before, "to": choice.chosen.tag} if before != choice.chosen.tag else None
+        fresh = None
+        if choice.chosen is None:
+            try:
+                check_fresh_start(job.id, [a.resume_tag for a in self.store.attempts(job.id) if a.resume_tag], spec,
+                                  choice.dir, choice.skipped, False, ever_saved=bool(choice.damaged))
+                fresh = "no checkpoint was ever saved: the attempt starts from step 0"
+            except CheckpointError as err:
+                fresh = str(err)
+        return {"job": job.id, "state": job.state.value, "checkpoints": choice.to_dict(),
+                "resume_tag": choice.chosen.tag if choice.chosen else None, "resume_args": list(args),
+                "resume_env": env, "latest": latest, "fresh_start": fresh}
 
     def _check_resumable(self, job: JobRecord) -> None:
         """A job can be resumed once it is FAILED or CANCELLED and its last attempt has stopped (waited
@@ -271,9 +311,32 @@ class Controller:
     # -- automatic restarts (the spec's restart policy: .restarts) -----------------------------
 
     def _attempt_ended(self, run: AttemptRun) -> None:
-        """After an attempt stopped: restart the job later if its policy says so."""
+        """After an attempt stopped: mark its start checkpoint bad if a rank crashed loading it, then restart
+        the job later if its policy says so."""
+        try:
+            self._mark_if_crashed_loading(run)
+        except Exception:  # noqa: BLE001 - the store is closing at shutdown: nothing to mark, the restart decides
+            pass
         if not self._closed.is_set():
             self.restarts.apply(run.job_id, run.spec, run.plan.attempt)
+
+    def _mark_if_crashed_loading(self, run: AttemptRun) -> None:
+        """A resumed attempt whose failing rank died in checkpoint-loading code (:func:`~.resume.crashed_loading`)
+        before any rank reported a training step marks that tag bad: no resume, automatic or by
+        hand, starts from it again until it is saved again (event ``checkpoint_marked_bad``)."""
+        plan, job = run.plan, self.store.get_job(run.job_id)
+        cause = job.cause or {}
+        cause = cause.get("first_symptom", cause)
+        if not plan.resume_tag or job.state != JobState.FAILED or cause.get("kind") != "rank_exit":
+            return
+        start = plan.resume_universal_from or plan.resume_tag
+        line = crashed_loading(rank_log_tail(plan.to_dict(), int(cause["global_rank"]), lines=80))
+        if line is None or self.store.latest_progress(job.id, plan.attempt):  # a step means it had loaded
+            return
+        root = resume_dir_of(run.spec, self.state_dir, job.id)
+        reason = (f"rank {cause['global_rank']} of attempt {plan.attempt} crashed loading it ({line})")
+        self.store.mark_checkpoint_bad(job.id, plan.attempt, root, start, reason)
+        self.store.add_event(job.id, plan.attempt, "checkpoint_marked_bad", {"tag": start, "reason": reason})
 
     def recover(self) -> list[str]:
         """Fail the jobs whose controller died while they ran (see :func:`recover_orphans`).

@@ -139,6 +139,14 @@ class AttemptMessages:
     def _on_warning(self, node_rank: int, msg: dict) -> None:
         self._event("warning", {"node_rank": node_rank, "host": self._host(node_rank), "message": msg.get("message")})
 
+    def _on_checkpoint_files(self, node_rank: int, msg: dict) -> None:
+        files = [f for f in msg.get("files") or [] if isinstance(f, dict) and {"tag", "name", "size", "mtime_ns"} <= f.keys()]
+        if files and isinstance(msg.get("dir"), str):
+            self.store.record_checkpoint_files(self.job_id, self.plan.attempt, msg["dir"], node_rank, files)
+            tags = sorted({f["tag"] for f in files})
+            self._event("checkpoint_files", {"node_rank": node_rank, "host": self._host(node_rank), "tags": tags,
+                                             "files": len(files), "bytes": sum(int(f["size"]) for f in files)})
+
     def _on_unknown(self, node_rank: int, msg: dict) -> None:
         self._event("agent_message", {"node_rank": node_rank, "message": msg})
 
@@ -159,4 +167,5 @@ class AttemptMessages:
         "dumped": (_on_dumped, False),
         "heartbeat": (_on_heartbeat, False),
         "warning": (_on_warning, False),
+        "checkpoint_files": (_on_checkpoint_files, True),
     }

@@ -18,6 +18,7 @@ from pathlib import Path
 from agents import network
 from agents.agent import rank_env
 
+from ..checkpoints.detect import detect_format, get_format
 from ..errors import FilterError, HostfileError, SpecError
 from ..launchers.deepspeed import ACCELERATOR_EXPORT_PREFIXES, deepspeed_env_files
 from ..planning import JobPlan, PlanInputs, ResourcePool, load_hostfile, make_plan, resolve_pool
@@ -25,12 +26,30 @@ from ..provisioners import Provisioner, get_provisioner
 from ..spec import JobSpec, job_deepspeed
 from .ports import PortLease, default_lock_dir, reserve_port
 
-__all__ = ["prepare_plan", "checkpoint_dir_of", "rank_python", "network_preview"]
+__all__ = ["prepare_plan", "checkpoint_dir_of", "resume_dir_of", "rank_python", "network_preview", "checkpoint_watch"]
 
 
 def checkpoint_dir_of(spec: JobSpec, state_dir: str | Path, job_id: str) -> str:
     """The job's checkpoint directory: the spec's, else ``<state dir>/jobs/<job id>/checkpoints``."""
     return spec.checkpoint_dir or str((Path(state_dir) / "jobs" / job_id / "checkpoints").resolve())
+
+
+def resume_dir_of(spec: JobSpec, state_dir: str | Path, job_id: str) -> str:
+    """Where the job's checkpoints are looked for: the spec's ``resume.dir``, else its checkpoint directory."""
+    return spec.resume.dir or checkpoint_dir_of(spec, state_dir, job_id)
+
+
+def checkpoint_watch(spec: JobSpec, state_dir: str | Path, job_id: str) -> dict:
+    """What every agent watches for checkpoint files to hash (``agents.manifest.CheckpointWatch``): the
+    resume directory (for ``auto``, every directory in it; a format's own names otherwise)."""
+    root = resume_dir_of(spec, state_dir, job_id)
+    fmt = spec.resume.format
+    if fmt == "auto":
+        found, _ = detect_format(root)
+        fmt = found if any(Path(root).glob("*")) else None
+    directory, pattern = get_format(fmt).watch_dir(root) if fmt else (root, r"[^.].*")
+    return {"dir": directory, "tag_pattern": pattern, "hash": spec.resume.hash,
+            "sample_above": int(spec.resume.sample_above_mib * (1 << 20)), "interval_s": spec.resume.watch_seconds}
 
 
 def _deepspeed_env_lines(workdir: str) -> tuple[str, ...]:
@@ -59,7 +78,8 @@ def rank_python(spec: JobSpec) -> str:
 
 def prepare_plan(spec: JobSpec, state_dir: str | Path, job_id: str, *, attempt: int = 1,
                  resume_tag: str | None = None, hold_port: bool = True,
-                 resume_universal_from: str | None = None) -> tuple[JobPlan, PortLease]:
+                 resume_universal_from: str | None = None, resume_args: tuple[str, ...] = (),
+                 resume_env: dict[str, str] | None = None) -> tuple[JobPlan, PortLease]:
     """Gather what the planner needs (the I/O part) and plan one attempt.
 
     Reads the hostfile, applies the filters, checks the nodes can be reached as the
@@ -77,6 +97,7 @@ def prepare_plan(spec: JobSpec, state_dir: str | Path, job_id: str, *, attempt: 
             started or joined either (a Ray cluster is read, not joined; no Ray is started).
         resume_universal_from: when ``resume_tag`` is a universal checkpoint, the tag it was
             converted from (see :class:`orchestrator.planning.PlanInputs`).
+        resume_args, resume_env: how the resumed script is told its checkpoint (:class:`PlanInputs`).
 
     Returns:
         ``(plan, lease)``; release the lease when the attempt is over.
@@ -106,9 +127,11 @@ def prepare_plan(spec: JobSpec, state_dir: str | Path, job_id: str, *, attempt: 
             deepspeed_env_lines=_deepspeed_env_lines(spec.workdir),
             deepspeed_config=job_ds.config, accelerator_exports=_accelerator_exports(),
             accelerate_env_defaults=job_ds.env_defaults(),
-            config_warnings=tuple(job_ds.warnings) + provisioner.plan_notes())
+            config_warnings=tuple(job_ds.warnings) + provisioner.plan_notes(),
+            resume_args=tuple(resume_args), resume_env=dict(resume_env or {}),
+            checkpoint_watch=checkpoint_watch(spec, state_dir, job_id))
         inputs = dataclasses.replace(inputs, accelerate_env=job_ds.env(inputs.deepspeed_config_path))
-        plan = make_plan(spec, pool, inputs)
+        plan = dataclasses.replace(make_plan(spec, pool, inputs), deepspeed_autos=job_ds.autos)
         return plan, lease
     except BaseException:
         lease.release()

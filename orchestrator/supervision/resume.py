@@ -1,5 +1,7 @@
-"""Where a resumed attempt starts: the job's last complete checkpoint, converted to DeepSpeed's
-universal format when the world size changed, or step 0 where starting over loses nothing.
+"""Where a resumed attempt starts: the job's last complete, undamaged checkpoint (in whatever format
+its script wrote, ``orchestrator.checkpoints.integrity.choose``), converted to DeepSpeed's universal
+format when the world size changed, or step 0 where starting over loses nothing; how the script is
+told (arguments, variables, DeepSpeed's ``latest``); and which tags a crash on load marks bad.
 """
 
 from __future__ import annotations
@@ -9,16 +11,90 @@ from pathlib import Path
 from typing import Any
 
 from ..checkpoints import MARKER, CheckpointInfo, UniversalCheckpoint, convert_to_universal
+from ..checkpoints.formats import point_latest
+from ..checkpoints.integrity import Choice, choose
 from ..errors import CheckpointError
 from ..spec import JobSpec
-from .prepare import rank_python
+from ..store import Store
+from .prepare import rank_python, resume_dir_of
 from .settings import env_seconds
 
-__all__ = ["check_fresh_start", "convert"]
+__all__ = ["check_fresh_start", "convert", "find_start", "tell_script", "LOAD_FRAMES", "crashed_loading"]
+
+
+def find_start(store: Store, job_id: str, spec: JobSpec, state_dir: str | Path, contents: bool = True) -> Choice:
+    """The checkpoint the job's next attempt would start from, every checkpoint found and why the newer ones
+    were skipped (:func:`orchestrator.checkpoints.integrity.choose` with the job's manifests and bad tags).
+
+    Args:
+        store: the job's store (manifests, bad tags).
+        job_id, spec: the job.
+        state_dir: orch's state directory (the default checkpoint directory is under it).
+        contents: hash the chosen files again against the manifest (False: compare sizes only).
+
+    Raises:
+        CheckpointError: the spec names an unknown format (cannot happen for a validated spec).
+    """
+    root = resume_dir_of(spec, state_dir, job_id)
+    try:
+        return choose(root, spec.resume.format, manifest=lambda tag: store.checkpoint_manifest(job_id, root, tag),
+                      bad=store.bad_checkpoints(job_id, root), contents=contents)
+    except ValueError as err:
+        raise CheckpointError(f"Job {job_id}: {err}.") from err
+
+
+def tell_script(spec: JobSpec, choice: Choice) -> tuple[tuple[str, ...], dict[str, str]]:
+    """How the resumed script learns its checkpoint: ``(arguments added, variables set)`` (the spec's
+    ``resume.args`` with ``{checkpoint}``, ``{tag}``, ``{dir}``, ``{step}`` filled, or the format's
+    default; ``ORCH_RESUME_CHECKPOINT`` and the spec's ``resume.env``, each the checkpoint's directory)."""
+    info = choice.chosen
+    if info is None:
+        return (), {}
+    values = {"checkpoint": info.path, "tag": info.tag, "dir": choice.dir, "step": info.step}
+    args = tuple(a.format(**values) for a in spec.resume.resume_args(choice.format))
+    env = {"ORCH_RESUME_CHECKPOINT": info.path}
+    if spec.resume.env:
+        env[spec.resume.env] = info.path
+    return args, env
+
+
+def rewrite_latest(spec: JobSpec, choice: Choice) -> dict | None:
+    """Point DeepSpeed's ``latest`` at the chosen tag when the spec's ``resume.latest`` (default: for the
+    ``deepspeed`` format) says so and it names another one (:func:`orchestrator.checkpoints.formats.point_latest`).
+
+    Returns:
+        The ``checkpoint_latest_rewritten`` event's data (``path``, ``from``, ``to``), or None (nothing changed).
+
+    Raises:
+        CheckpointError: ``latest`` cannot be written.
+    """
+    if choice.chosen is None or not spec.resume.rewrites_latest(choice.format):
+        return None
+    return point_latest(choice.dir, choice.chosen.tag)
+
+
+#: Traceback frames that say a rank died loading its checkpoint: DeepSpeed's, HF Trainer's and
+#: Accelerate's load functions, and the file readers they call.
+LOAD_FRAMES = ("in load_checkpoint", "in _load_checkpoint", "in _load_zero_checkpoint", "in load_state",
+               "in load_accelerator_state", "in _load_from_checkpoint", "in _load_rng_state",
+               "in _load_optimizer_and_scheduler", "in deepspeed_load_checkpoint", "in load_module_state_dict",
+               "torch/serialization.py", "safetensors", "PytorchStreamReader failed", "in _load_universal")
+
+
+def crashed_loading(log_tail: list[str]) -> str | None:
+    """The line that shows a rank died in checkpoint-loading code (its last traceback passes through one
+    of :data:`LOAD_FRAMES`), or None."""
+    start = max((i for i, ln in enumerate(log_tail) if ln.startswith("Traceback")), default=None)
+    if start is None:
+        return None
+    frames = log_tail[start:]
+    if not any(f in ln for ln in frames for f in LOAD_FRAMES):
+        return None
+    return next((ln.strip() for ln in reversed(frames) if ln.strip()), None)
 
 
 def check_fresh_start(job_id: str, resumed: list[str], spec: JobSpec, ckpt_dir: str, skipped: list[CheckpointInfo],
-                      automatic: bool) -> None:
+                      automatic: bool, ever_saved: bool = False) -> None:
     """Allow a resume without a complete checkpoint to start from step 0, or refuse it.
 
     By hand (``orch resume`` without ``--fresh``) it is refused when the job had checkpointing: the
@@ -26,7 +102,8 @@ def check_fresh_start(job_id: str, resumed: list[str], spec: JobSpec, ckpt_dir: 
     anything besides orch's own hidden entries (incomplete tags, DeepSpeed's ``latest``), or an earlier
     attempt started from a checkpoint (the directory merely existing says nothing: preflight creates
     it). An automatic restart starts from step 0 unless the job ever finished a save (a tag holds a
-    completion marker, however damaged since) or an earlier attempt started from a checkpoint:
+    completion marker, or one complete by its format was skipped as damaged or bad) or an earlier attempt
+    started from a checkpoint:
     restarting such a job from step 0 would silently throw its training away.
 
     Args:
@@ -36,13 +113,14 @@ def check_fresh_start(job_id: str, resumed: list[str], spec: JobSpec, ckpt_dir: 
         ckpt_dir: its checkpoint directory.
         skipped: the incomplete tags found there (``latest_complete``).
         automatic: a restart by the restart policy.
+        ever_saved: a checkpoint complete by its format's rules was skipped (damaged since, or marked bad).
 
     Raises:
         CheckpointError: refused; names the directory and why each tag in it was skipped.
     """
     root = Path(ckpt_dir)
     if automatic:
-        if not resumed and not any((Path(s.path) / MARKER).exists() for s in skipped):
+        if not resumed and not ever_saved and not any((Path(s.path) / MARKER).exists() for s in skipped):
             return
     elif not (spec.checkpoint_dir or resumed or skipped or _has_entries(root)):
         return

@@ -86,6 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--fresh", action="store_true",
                     help="start from step 0, whatever checkpoints there are (without it, a job that had "
                     "checkpoints but has no complete one is refused)")
+    sp.add_argument("--dry-run", action="store_true",
+                    help="start nothing: list the checkpoints found, check the newest complete one against its "
+                    "manifest (hashing its files), and say which one a resume would start from and how the script "
+                    "would be told")
     sp = add("export", cmd_export, "Write a job's checkpoint as one consolidated fp32 state_dict file (DeepSpeed's "
              "zero_to_fp32), loadable with torch.load + load_state_dict without DeepSpeed.")
     sp.add_argument("job", help="job id (or a unique prefix)")

@@ -14,7 +14,7 @@ from .backends import HttpBackend, StoreBackend, find_server, pick_backend, stat
 from .follow import follow_embedded
 from .options import load_job, report_shell_env
 from .output import UsageError, console, emit_detail, err_console, print_json
-from .render import start_checkpoint
+from .render import resume_preview_lines, start_checkpoint
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -66,6 +66,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if plan.deepspeed_config:
         c.print(Text(f"DeepSpeed config, resolved (a run writes it to {plan.deepspeed_config_path}):", style="bold"))
         c.print(json.dumps(plan.deepspeed_config, indent=2), markup=False, highlight=False, soft_wrap=True)
+    if plan.deepspeed_autos:
+        c.print(autos_line(plan.deepspeed_autos), markup=False, highlight=False, soft_wrap=True)
     c.print(Text(f"What the real {plan.launcher} launcher would run:", style="bold"))
     for cmd in plan.real_commands:
         where = f"on {cmd.where}" if cmd.where else "on the launching machine"
@@ -75,6 +77,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
     for w in plan.warnings:
         err_console.print(Text(f"warning: {w}", style="yellow"))
     return 0
+
+
+def autos_line(autos: dict) -> str:
+    """``deepspeed config: "auto" values filled by the script (detected: ...); left auto: a, b`` (a plan's
+    ``deepspeed_autos``: ``{"filled_by", "why", "left_auto"}``)."""
+    who = "the script" if autos["filled_by"] == "script" else "orch"
+    left = f"; left auto: {', '.join(autos['left_auto'])}" if autos.get("left_auto") else ""
+    return f"deepspeed config: \"auto\" values filled by {who} ({autos['why']}){left}"
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -92,8 +102,29 @@ def cmd_run(args: argparse.Namespace) -> int:
         controller.close(cancel=True)
 
 
+def _resume_preview(args: argparse.Namespace, url: str | None) -> int:
+    if url:
+        preview = HttpBackend(url).resume_preview(args.job)
+    else:
+        from ...supervision import Controller
+        StoreBackend(state_dir_of(args)).store  # noqa: B018 - a clear error when there are no jobs at all
+        controller = Controller(state_dir_of(args))
+        try:
+            preview = controller.resume_preview(args.job)
+        finally:
+            controller.close(cancel=False)
+    if args.output == "json":
+        print_json(preview)
+        return 0
+    for line in resume_preview_lines(preview):
+        console.print(line, markup=False, highlight=False)
+    return 0
+
+
 def cmd_resume(args: argparse.Namespace) -> int:
     url = find_server(args)
+    if args.dry_run:
+        return _resume_preview(args, url)
     if url:
         detail = HttpBackend(url).resume(args.job, args.exclude, args.fresh)
         start = start_checkpoint(detail["attempts"][-1])

@@ -65,6 +65,11 @@ def resume_words(data: dict) -> str:
         "  starts from the beginning (no complete checkpoint)"
     for s in data.get("skipped_checkpoints") or []:
         words += f"; skipped {s['tag']}: {'; '.join(s['problems'])}"
+    if data.get("resume_args"):
+        words += f"; the script gets {' '.join(data['resume_args'])}"
+    latest = data.get("latest_rewritten")
+    if latest:
+        words += f"; DeepSpeed's {latest['path']} now names {latest['to']} (it named {latest['from'] or 'nothing'})"
     return words
 
 
@@ -87,3 +92,54 @@ def start_checkpoint(attempt: dict) -> str:
         return "-"
     source = attempt.get("resume_universal_from")
     return f"{tag} (converted from {source})" if source else tag
+
+
+#: Checkpoints listed in a terminal, newest first (the chosen one always).
+SHOWN_CHECKPOINTS = 6
+
+
+def checkpoint_lines(view: dict | None) -> list[str]:
+    """A job's checkpoints (``orchestrator.observe.checkpoints.checkpoints_view`` or a resume preview's
+    ``checkpoints``): the directory and format, one line per checkpoint, newest first."""
+    if not view:
+        return []
+    lines = [f"checkpoints in {view['dir']} ({view.get('format', '?')} format, {view.get('format_reason', '')})"]
+    if view.get("error"):
+        return lines + [f"  {view['error']}"]
+    if not view.get("checkpoints"):
+        return lines + ["  none found"]
+    chosen = (view.get("chosen") or {}).get("tag")
+    shown = [c for i, c in enumerate(view["checkpoints"]) if i < SHOWN_CHECKPOINTS or c["tag"] == chosen]
+    for c in shown:
+        step = f"step {c['step']}" if c.get("step", -1) >= 0 else "step ?"
+        if c["tag"] == chosen:
+            state = "complete, next resume starts here"
+        elif c["complete"]:
+            state = "complete"
+        else:
+            state = "skipped: " + "; ".join(c["problems"])
+        checked = f" [{c['checked']}]" if c.get("checked") else ""
+        lines.append(f"  {c['tag']:<20} {step:<10} {state}{checked}")
+        lines += [f"    note: {n}" for n in c.get("notes") or []]
+    left = len(view["checkpoints"]) - len(shown)
+    if left:
+        lines.append(f"  ... and {left} older (--output json lists them all)")
+    return lines
+
+
+def resume_preview_lines(preview: dict) -> list[str]:
+    """``orch resume --dry-run``'s words (``Controller.resume_preview``)."""
+    lines = [f"Job {preview['job']} ({preview['state']}): nothing started"]
+    lines += checkpoint_lines(preview["checkpoints"])
+    if preview.get("resume_tag"):
+        lines.append(f"a resume starts from {preview['resume_tag']}")
+        if preview.get("resume_args"):
+            lines.append(f"  the script gets the arguments {' '.join(preview['resume_args'])}")
+        for k, v in (preview.get("resume_env") or {}).items():
+            lines.append(f"  and {k}={v}")
+        if preview.get("latest"):
+            lines.append(f"  DeepSpeed's latest would be pointed at {preview['latest']['to']} "
+                         f"(it names {preview['latest']['from'] or 'nothing'})")
+    else:
+        lines.append(f"a resume finds no checkpoint to start from: {preview.get('fresh_start')}")
+    return lines

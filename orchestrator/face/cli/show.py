@@ -12,7 +12,7 @@ from rich.text import Text
 
 from .backends import pick_backend
 from .output import ago, console, print_json, styled
-from .render import cause_lines, header_line, ranks_table, start_checkpoint
+from .render import cause_lines, checkpoint_lines, header_line, ranks_table, start_checkpoint
 
 
 def cmd_list(args: argparse.Namespace) -> int:
@@ -51,6 +51,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     c.print(Text(f"Ranks of attempt {detail['attempt']}", style="bold"))
     c.print(ranks_table(detail))
     for line in cause_lines(detail)[1:]:
+        c.print(line, markup=False, highlight=False)
+    for line in checkpoint_lines(detail.get("checkpoints")):
         c.print(line, markup=False, highlight=False)
     for step in detail.get("next_steps") or []:
         c.print(f"next: {step}", markup=False, highlight=False)

@@ -1,0 +1,56 @@
+"""Which checkpoint format a directory holds, and the format of a name (``resume.format``)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from .formats import CheckpointFormat, DeepSpeedFormat, OrchFormat
+from .hf import AccelerateFormat, HFTrainerFormat
+from .tags import MARKER
+
+__all__ = ["get_format", "detect_format", "FORMAT_NAMES"]
+
+#: The formats orch reads, in the order ``auto`` tries them.
+FORMAT_NAMES = ("orch", "hf_trainer", "accelerate", "deepspeed")
+
+
+def get_format(name: str) -> CheckpointFormat:
+    """The format called ``name`` (one of :data:`FORMAT_NAMES`).
+
+    Raises:
+        ValueError: no such format.
+    """
+    formats = {"orch": OrchFormat, "deepspeed": DeepSpeedFormat, "hf_trainer": HFTrainerFormat,
+               "accelerate": AccelerateFormat}
+    if name not in formats:
+        raise ValueError(f"unknown checkpoint format {name!r}; expected one of {', '.join(FORMAT_NAMES)}")
+    return formats[name]()
+
+
+def detect_format(root: str | Path) -> tuple[str, str]:
+    """Which format the checkpoints under ``root`` are in, and why: ``(name, reason)``.
+
+    The first that matches: a tag with orch's marker (``orch``); a ``checkpoint-<N>`` directory
+    (``hf_trainer``); a ``checkpoint_<N>`` directory, or ``root`` itself holding ``random_states_0.pkl``
+    (``accelerate``); anything else, an empty or missing directory included (``deepspeed``).
+    """
+    root = Path(root)
+    try:
+        children = sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+    except OSError:
+        return "deepspeed", f"{root} does not exist yet"
+    for p in children:
+        if (p / MARKER).exists():
+            return "orch", f"{p.name}/{MARKER}"
+    for p in children:
+        if re.fullmatch(r"checkpoint-\d+", p.name):
+            return "hf_trainer", f"{p.name} (HF Trainer's checkpoint-<step>)"
+    if (root / "random_states_0.pkl").exists():
+        return "accelerate", f"{root.name}/random_states_0.pkl (Accelerate's save_state)"
+    for p in children:
+        if re.fullmatch(r"checkpoint_\d+", p.name):
+            return "accelerate", f"{p.name} (Accelerate's checkpoint_<n>)"
+    if (root / "latest").is_file():
+        return "deepspeed", "latest (DeepSpeed's)"
+    return "deepspeed", "no orch, HF Trainer or Accelerate checkpoint in it"

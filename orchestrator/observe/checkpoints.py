@@ -1,0 +1,57 @@
+"""A job's checkpoints as the faces show them (``orch status``, the dashboard, ``GET /api/jobs/{id}``):
+every checkpoint found, which are complete, which are skipped and why, and which one the next resume
+would use. Sizes are compared with the manifest here, contents are not hashed (``orch resume
+--dry-run`` does that); a directory is looked at again at most every :data:`CACHE_S` seconds.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+from ..checkpoints.integrity import choose
+from ..store import AttemptRecord, JobRecord, Store
+
+__all__ = ["checkpoints_view", "resume_dir", "CACHE_S"]
+
+#: Seconds a directory's view is reused (the dashboard polls every second).
+CACHE_S = 5.0
+_cache: dict[tuple[str, str], tuple[float, dict]] = {}
+_cache_lock = threading.Lock()
+
+
+def resume_dir(job: JobRecord, attempt: AttemptRecord | None) -> str | None:
+    """Where the job's checkpoints are looked for: the spec's ``resume.dir``, else its attempt's checkpoint directory."""
+    given = (job.spec.get("resume") or {}).get("dir")
+    return given or (attempt.plan.get("checkpoint_dir") if attempt is not None else None)
+
+
+def checkpoints_view(store: Store, job: JobRecord, attempt: AttemptRecord | None) -> dict[str, Any] | None:
+    """``{"format", "format_reason", "dir", "next_resume", "checkpoints": [{tag, step, complete, problems,
+    notes, checked, recorded_files}], ...}`` for the job, or None before its first attempt.
+
+    ``next_resume`` is the tag the next resume would start from (None: none is complete and
+    undamaged by size); its files' contents are checked by the resume itself."""
+    root = resume_dir(job, attempt)
+    if root is None:
+        return None
+    key, now = (job.id, root), time.monotonic()
+    with _cache_lock:
+        hit = _cache.get(key)
+        if hit and now - hit[0] < CACHE_S:
+            return hit[1]
+    fmt = (job.spec.get("resume") or {}).get("format", "auto")
+    try:
+        choice = choose(root, fmt, manifest=lambda tag: store.checkpoint_manifest(job.id, root, tag),
+                        bad=store.bad_checkpoints(job.id, root), contents=False)
+    except ValueError as err:
+        return {"dir": root, "error": str(err), "checkpoints": [], "next_resume": None}
+    recorded = store.manifest_tags(job.id, root)
+    view = choice.to_dict()
+    view["next_resume"] = choice.chosen.tag if choice.chosen else None
+    for c in view["checkpoints"]:
+        c["recorded_files"] = recorded.get(c["tag"], 0)
+    with _cache_lock:
+        _cache[key] = (now, view)
+    return view
