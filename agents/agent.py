@@ -91,20 +91,22 @@ class Agent:
         self._start_exporter()
         if not self._host_store():
             return 1
+        self._make_watch()
         if not self._start_ranks():
             return 1
-        self._start_watch()
+        if self._watch is not None:
+            self._watch.start()
         return self._supervise()
 
-    def _start_watch(self) -> None:
-        """Watch the checkpoint directory (``agents.manifest``) while the ranks run, if the plan says so."""
+    def _make_watch(self) -> None:
+        """Look at the checkpoint directory before the ranks start (``agents.manifest``: what is there is
+        not recorded again), to watch it while they run; if the plan says so."""
         watch = self.node.get("checkpoint_watch")
         if not watch:
             return
         from .manifest import CheckpointWatch
         self._watch = CheckpointWatch(watch, [r["global_rank"] for r in self.node["ranks"]], self.node["node_rank"],
                                       self.writer.send)
-        self._watch.start()
 
     def _stop_watch(self) -> None:
         """Hash what the ranks left (at most 2 s: within the controller's slack for a stopping agent), then stop

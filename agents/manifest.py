@@ -2,9 +2,11 @@
 sees it, so that a resume can tell a checkpoint damaged since its save from one left as it was.
 
 The agent of every node watches the job's checkpoint directory (:class:`CheckpointWatch`) while its
-ranks run: a file that has kept its size and mtime for one whole poll is hashed once and sent to the
-controller (message ``checkpoint_files``), which keeps it in the store; a file whose size or mtime
-changes later (a tag saved again) is hashed again. Each node hashes the files its own ranks wrote
+ranks run: a file written during the attempt that has kept its size and mtime for one whole poll is
+hashed once and sent to the controller (message ``checkpoint_files``), which keeps it in the store; a
+file whose size or mtime changes later (a tag saved again) is hashed again. Files already there when
+the attempt starts are left as they are: their manifest is the one recorded when they were saved, so a
+file damaged between attempts is found, not recorded anew. Each node hashes the files its own ranks wrote
 (the rank in the file name: ``zero_pp_rank_3_...``, ``rng_state_3.pth``, ``random_states_3.pkl``) and
 node 0 the rest, so node-local disks are covered and shared storage is read once.
 
@@ -162,10 +164,23 @@ class CheckpointWatch:
         self.send = send
         self.clock = clock
         self._seen: dict[str, tuple[int, int]] = {}  # path -> (size, mtime_ns) at the last poll
-        self._recorded: dict[str, tuple[int, int]] = {}  # path -> (size, mtime_ns) when hashed
+        self._recorded: dict[str, tuple[int, int]] = self._stat_all()  # path -> (size, mtime_ns) when hashed
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.errors: list[str] = []
+
+    def _stat_all(self) -> dict[str, tuple[int, int]]:
+        """What is there before the ranks start: files an earlier attempt saved (recorded then) or that
+        changed while no attempt ran (damage, to be found at the next resume). Neither is recorded now;
+        only what this attempt's ranks write is."""
+        out = {}
+        for _tag, path, _name in self._candidates():
+            try:
+                st = os.stat(path)
+            except OSError:
+                continue
+            out[path] = (st.st_size, st.st_mtime_ns)
+        return out
 
     def mine(self, name: str) -> bool:
         """Whether this node hashes the file ``name``."""

@@ -63,11 +63,12 @@ def _tag(root: Path, tag: str, world: int) -> None:
 
 
 def test_each_node_hashes_its_own_ranks_files_and_node_0_the_rest(tmp_path: Path) -> None:
-    _tag(tmp_path, "global_step10", 4)
     sent: dict[int, list[dict]] = {0: [], 1: []}
-    for node, ranks in ((0, [0, 1]), (1, [2, 3])):
-        w = CheckpointWatch({"dir": str(tmp_path), "world_size": 4, "interval_s": 1}, ranks, node,
-                            lambda m, n=node: sent[n].extend(m["files"]) or True)
+    watches = [CheckpointWatch({"dir": str(tmp_path), "world_size": 4, "interval_s": 1}, ranks, node,
+                               lambda m, n=node: sent[n].extend(m["files"]) or True)
+               for node, ranks in ((0, [0, 1]), (1, [2, 3]))]
+    _tag(tmp_path, "global_step10", 4)  # written by the ranks, after the agents started
+    for w in watches:
         assert w.poll() == 0  # first look: nothing has settled yet
         w.poll()
     names = {n: sorted(f["name"] for f in files) for n, files in sent.items()}
@@ -78,13 +79,13 @@ def test_each_node_hashes_its_own_ranks_files_and_node_0_the_rest(tmp_path: Path
 
 
 def test_a_file_is_recorded_once_settled_and_again_after_it_changes(tmp_path: Path) -> None:
+    out: list[dict] = []
+    w = CheckpointWatch({"dir": str(tmp_path), "world_size": 1}, [0], 0, lambda m: out.extend(m["files"]) or True)
     _tag(tmp_path, "global_step10", 1)
     (tmp_path / "global_step10_universal").mkdir()  # orch's conversions and hidden entries are not watched
     _write(tmp_path / "global_step10_universal" / "mp_rank_00_model_states.pt", b"u")
     _write(tmp_path / ".orch-preflight-x" / "probe", b"p")
     _write(tmp_path / "latest", b"global_step10")  # not inside a tag
-    out: list[dict] = []
-    w = CheckpointWatch({"dir": str(tmp_path), "world_size": 1}, [0], 0, lambda m: out.extend(m["files"]) or True)
     w.poll()
     assert w.poll() == 2 and w.poll() == 0
     f = tmp_path / "global_step10" / "mp_rank_00_model_states.pt"
@@ -98,10 +99,27 @@ def test_a_file_is_recorded_once_settled_and_again_after_it_changes(tmp_path: Pa
 
 
 def test_tag_pattern_limits_what_is_watched(tmp_path: Path) -> None:
-    _write(tmp_path / "checkpoint-10" / "trainer_state.json", b"{}")
-    _write(tmp_path / "runs" / "events.out", b"tb")
     out: list[dict] = []
     w = CheckpointWatch({"dir": str(tmp_path), "tag_pattern": r"checkpoint-\d+", "world_size": 2}, [0, 1], 0,
                         lambda m: out.extend(m["files"]) or True)
+    _write(tmp_path / "checkpoint-10" / "trainer_state.json", b"{}")
+    _write(tmp_path / "runs" / "events.out", b"tb")
     w.stop(final_deadline_s=5)
     assert [(f["tag"], f["name"]) for f in out] == [("checkpoint-10", "trainer_state.json")]
+
+
+def test_files_there_before_the_attempt_are_not_recorded_again(tmp_path: Path) -> None:
+    """A file damaged while no attempt ran keeps the manifest of its save; one the ranks write again is new."""
+    _tag(tmp_path, "global_step10", 1)
+    out: list[dict] = []
+    w = CheckpointWatch({"dir": str(tmp_path), "world_size": 1}, [0], 0, lambda m: out.extend(m["files"]) or True)
+    w.poll()
+    w.poll()
+    w.stop(final_deadline_s=5)
+    assert out == []
+    w = CheckpointWatch({"dir": str(tmp_path), "world_size": 1}, [0], 0, lambda m: out.extend(m["files"]) or True)
+    f = tmp_path / "global_step10" / "mp_rank_00_model_states.pt"
+    f.write_bytes(b"saved again")
+    os.utime(f, ns=(f.stat().st_mtime_ns + 10**9,) * 2)
+    w.stop(final_deadline_s=5)
+    assert [(x["name"], x["size"]) for x in out] == [("mp_rank_00_model_states.pt", 11)]

@@ -1,6 +1,7 @@
 """Which checkpoint a resume starts from: the newest that is complete (its format's rules), undamaged
-since its save (its manifest: the sizes and hashes the agents recorded, ``agents.manifest``) and not
-marked bad (a rank crashed loading it). See docs/contract.md ("Which checkpoint a resume uses").
+since its save (its manifest: the sizes and hashes the agents recorded, ``agents.manifest``; without
+one, the CRC-32 that ``torch.save`` stores for every zip entry) and not marked bad (a rank crashed
+loading it). See docs/contract.md ("Which checkpoint a resume uses").
 """
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -66,6 +68,32 @@ def verify(info: CheckpointInfo, manifest: Manifest, contents: bool = True) -> l
     return problems
 
 
+def crc_problems(info: CheckpointInfo) -> list[str]:
+    """Check every zip-format torch file of a checkpoint against the CRC-32 ``torch.save`` stored for each of
+    its entries (``zipfile.ZipFile.testzip``: reads every byte; ``torch.load`` itself never checks them). The
+    content check of a checkpoint with no manifest recorded (written before orch watched it, say).
+
+    Returns:
+        One problem per file whose bytes changed since ``torch.save`` wrote them, naming the entry.
+    """
+    problems = []
+    for top, _dirs, files in os.walk(info.path):
+        for name in sorted(files):
+            path = os.path.join(top, name)
+            try:
+                with open(path, "rb") as f:
+                    if f.read(4) != b"PK\x03\x04":
+                        continue
+                with zipfile.ZipFile(path) as z:
+                    bad = z.testzip()
+            except (OSError, zipfile.BadZipFile, ValueError) as err:
+                bad = f"(unreadable: {err})"
+            if bad:
+                rel = os.path.relpath(path, info.path)
+                problems.append(f"{rel}: its bytes changed since it was saved (entry {bad} fails its CRC-32)")
+    return problems
+
+
 @dataclass(frozen=True)
 class Choice:
     """What a resume would start from.
@@ -76,8 +104,9 @@ class Choice:
         chosen: the checkpoint to resume from, or None.
         checkpoints: every checkpoint found, newest first; those newer than ``chosen`` carry the
             problems that skipped them (incomplete, damaged, marked bad).
-        checked: ``{tag: how it was checked}``: ``"manifest (N files, hashes)"``, ``"manifest (sizes)"``
-            or ``"files only (no manifest recorded)"``, for the tags looked at.
+        checked: ``{tag: how it was checked}``: ``"manifest (N files, hashes)"``, ``"manifest (sizes)"``,
+            ``"no manifest recorded: the zip CRC-32s of its torch files"`` or ``"files only (no manifest
+            recorded)"`` (sizes only asked for), for the tags looked at.
         damaged: tags complete by their format's rules but skipped: changed since their save, or marked bad.
     """
 
@@ -142,6 +171,9 @@ def choose(root: str | Path, fmt: str = "auto", *, manifest: Callable[[str], Man
         if recorded and not problems:
             problems += verify(info, recorded, contents)
             checked[info.tag] = f"manifest ({len(recorded)} files, {'hashes' if contents else 'sizes'})"
+        elif not recorded and contents:
+            problems += crc_problems(info)
+            checked[info.tag] = "no manifest recorded: the zip CRC-32s of its torch files"
         elif not recorded:
             checked[info.tag] = "files only (no manifest recorded)"
         if problems:

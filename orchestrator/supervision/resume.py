@@ -7,6 +7,7 @@ told (arguments, variables, DeepSpeed's ``latest``); and which tags a crash on l
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -83,14 +84,15 @@ LOAD_FRAMES = ("in load_checkpoint", "in _load_checkpoint", "in _load_zero_check
 
 def crashed_loading(log_tail: list[str]) -> str | None:
     """The line that shows a rank died in checkpoint-loading code (its last traceback passes through one
-    of :data:`LOAD_FRAMES`), or None."""
-    start = max((i for i, ln in enumerate(log_tail) if ln.startswith("Traceback")), default=None)
+    of :data:`LOAD_FRAMES`), or None. Lines may carry a prefix (torch's ``[rank1]:``)."""
+    start = max((i for i, ln in enumerate(log_tail) if "Traceback (most recent call last)" in ln), default=None)
     if start is None:
         return None
     frames = log_tail[start:]
     if not any(f in ln for ln in frames for f in LOAD_FRAMES):
         return None
-    return next((ln.strip() for ln in reversed(frames) if ln.strip()), None)
+    last = next((ln for ln in reversed(frames) if ln.strip()), "")
+    return re.sub(r"^\[rank\d+\]:\s*", "", last.strip()) or None
 
 
 def check_fresh_start(job_id: str, resumed: list[str], spec: JobSpec, ckpt_dir: str, skipped: list[CheckpointInfo],
