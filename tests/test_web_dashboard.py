@@ -223,7 +223,8 @@ def test_a_failed_job_shows_its_cause_and_the_failed_ranks_log(server, browser, 
                                                               hostfile) -> None:
     _, url = server
     driver = browser
-    spec = _spec(write_spec, hostfile, "web-fail", ["--fail-at-step", "30", "--fail-rank", "1"])
+    spec = _spec(write_spec, hostfile, "web-fail", ["--fail-at-step", "30", "--fail-rank", "1",
+                                                    "--checkpoint-interval", "10"])
     t0 = time.monotonic()
     job_id = orch_m.json("submit", str(spec), check=True)["id"]
     driver.get(f"{url}/#/jobs/{job_id}")  # a shared link opens the job directly
@@ -258,6 +259,15 @@ def test_a_failed_job_shows_its_cause_and_the_failed_ranks_log(server, browser, 
     log = driver.find_element("id", "log-tail").text
     assert re.search(r"^\[train\] step=\d+ rank=1 ", log, re.MULTILINE) and not re.search(r"\brank=0 ", log), log
     assert driver.find_element("id", "log-rank").get_attribute("value") == "1"
+    # its checkpoints: every tag saved, newest first, the newest complete one marked as the next resume's
+    rows = wait_for(lambda: _js(driver, "return [...document.querySelectorAll('#checkpoints-table tr.checkpoint-row')]"
+                                        ".map(r => [r.dataset.tag, r.dataset.state])"), 10, "the checkpoints panel")
+    api = orch_m.json("status", job_id)["checkpoints"]
+    assert rows == [[c["tag"], "next resume" if c["tag"] == api["next_resume"] else "complete" if c["complete"]
+                     else "skipped"] for c in api["checkpoints"]]
+    assert api["format"] == "orch" and api["next_resume"] in ("step_30", "step_20") and rows[-1][0] == "step_10"
+    info = driver.find_element("id", "checkpoints-info").text
+    assert "orch format" in info and f"next resume: {api['next_resume']}" in info, info
     _screenshot(driver, f"dashboard-failed-{job_id}.png")
 
     # back to the list: both jobs, the failed one with its cause

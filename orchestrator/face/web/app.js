@@ -180,7 +180,8 @@
       $("#log-tail").textContent = "";
       $("#job-body").hidden = true;
       $("#job-missing").hidden = true;
-      for (const sel of ["#job-header", "#attempts-table tbody", "#ranks-table tbody", "#nodes", "#loss-chart",
+      for (const sel of ["#job-header", "#attempts-table tbody", "#ranks-table tbody", "#checkpoints-table tbody",
+                         "#nodes", "#loss-chart",
                          "#rate-chart", "#chart-attempt", "#log-rank"]) {
         $(sel).replaceChildren();
       }
@@ -281,6 +282,7 @@
     renderAttempts(detail);
     renderNodes(detail);
     renderRanks(detail);
+    renderCheckpoints(detail);
     renderAttemptSelect(detail);
     await refreshProgress(detail);
     await refreshLog(detail);
@@ -389,6 +391,33 @@
         el("td", {class: "muted", title: r.progress_source || "", text: r.reported_at ? fmtAgo(r.reported_at) : "–"}),
         el("td", {class: "last-line mono", title: r.last_line || "", text: r.last_line || ""}));
     }));
+  }
+
+  function renderCheckpoints(d) {
+    // every checkpoint found (orch status's view): which is complete, which skipped and why, the next resume's
+    const v = d.checkpoints;
+    if (!changed("checkpoints", v)) return;
+    const info = $("#checkpoints-info");
+    if (!v) {
+      info.textContent = "";
+      $("#checkpoints-table tbody").replaceChildren();
+      return;
+    }
+    info.textContent = `${v.dir} · ${v.format || "?"} format (${v.format_reason || ""})` +
+      (v.next_resume ? ` · next resume: ${v.next_resume}` : " · no checkpoint to resume from");
+    const rows = (v.checkpoints || []).map((c) => {
+      const next = c.tag === v.next_resume;
+      const state = next ? "next resume" : c.complete ? "complete" : "skipped";
+      return el("tr", {class: "checkpoint-row", "data-tag": c.tag, "data-state": state},
+        el("td", {class: "mono", text: c.tag}),
+        el("td", {class: "num", text: c.step >= 0 ? c.step : "?"}),
+        el("td", {class: c.complete ? "" : "cause"}, el("b", {text: state}),
+           c.complete ? null : el("span", {class: "small", text: `: ${(c.problems || []).join("; ")}`})),
+        el("td", {class: "muted small", text: c.checked || ""}),
+        el("td", {class: "num", text: c.recorded_files ?? 0}));
+    });
+    if (!rows.length) rows.push(el("tr", {}, el("td", {colspan: 5, class: "muted", text: "none found"})));
+    $("#checkpoints-table tbody").replaceChildren(...rows);
   }
 
   function renderAttemptSelect(d) {
