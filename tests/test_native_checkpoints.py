@@ -246,3 +246,16 @@ def test_latest_is_rewritten_atomically_only_when_it_names_another_tag(tmp_path:
     (["step=3 loss=1.0"], None)])
 def test_a_crash_on_load_is_told_by_its_traceback(tail: list[str], crashed: str | None) -> None:
     assert crashed_loading(tail) == crashed
+
+
+def test_an_hf_scripts_output_dir_is_where_its_checkpoints_are(tmp_path: Path) -> None:
+    from orchestrator.supervision.prepare import resume_dir_of
+    base = {"name": "r", "entrypoint": "train.py", "workdir": str(tmp_path)}
+
+    def where(**fields) -> str:
+        return resume_dir_of(spec_from_dict({**base, **fields}, check_files=False), tmp_path / "state", "r-1")
+    assert where(args=["--output_dir", "out", "--save_steps", "10"]) == str(tmp_path / "out")
+    assert where(args=["--output-dir=/abs/out"]) == "/abs/out"
+    assert where(args=["--output_dir", "out"], checkpoint_dir="/ck") == "/ck"
+    assert where(args=["--output_dir", "out"], resume={"dir": "/r"}) == "/r"
+    assert where(args=["--steps", "3"]) == str((tmp_path / "state" / "jobs" / "r-1" / "checkpoints").resolve())

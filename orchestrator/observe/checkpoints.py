@@ -22,9 +22,11 @@ _cache_lock = threading.Lock()
 
 
 def resume_dir(job: JobRecord, attempt: AttemptRecord | None) -> str | None:
-    """Where the job's checkpoints are looked for: the spec's ``resume.dir``, else its attempt's checkpoint directory."""
-    given = (job.spec.get("resume") or {}).get("dir")
-    return given or (attempt.plan.get("checkpoint_dir") if attempt is not None else None)
+    """Where the job's checkpoints are looked for, as its latest attempt's plan says (``resume_dir``; plans of
+    an earlier orch have only ``checkpoint_dir``)."""
+    if attempt is None:
+        return None
+    return attempt.plan.get("resume_dir") or attempt.plan.get("checkpoint_dir")
 
 
 def checkpoints_view(store: Store, job: JobRecord, attempt: AttemptRecord | None) -> dict[str, Any] | None:

@@ -65,6 +65,8 @@ class PlanInputs:
             the spec's ``resume.env``).
         checkpoint_watch: what every agent watches for new checkpoint files (``agents.manifest``):
             ``{"dir", "tag_pattern", "hash", "sample_above", "interval_s"}``; None: nothing.
+        resume_dir: where the job's checkpoints are looked for (the spec's ``resume.dir``, ...); None:
+            ``checkpoint_dir``.
     """
 
     job_id: str
@@ -88,6 +90,7 @@ class PlanInputs:
     resume_args: tuple[str, ...] = ()
     resume_env: Mapping[str, str] = field(default_factory=dict)
     checkpoint_watch: Mapping[str, Any] | None = None
+    resume_dir: str | None = None
 
     @property
     def attempt_id(self) -> str:
@@ -200,6 +203,7 @@ class JobPlan:
         resume_universal_from: the tag a universal ``resume_tag`` was converted from, or None.
         deepspeed_autos: for a DeepSpeed config of the spec's with "auto" values, who fills them, why,
             and the keys left "auto" (``orchestrator.spec.JobDeepSpeed.autos``); else None.
+        resume_dir: where the job's checkpoints are looked for (``checkpoint_dir`` unless the spec says).
     """
 
     job_id: str
@@ -222,6 +226,7 @@ class JobPlan:
     warnings: tuple[str, ...] = ()
     resume_universal_from: str | None = None
     deepspeed_autos: Mapping[str, Any] | None = None
+    resume_dir: str | None = None
 
     @property
     def attempt_id(self) -> str:
@@ -247,6 +252,7 @@ class JobPlan:
             "deepspeed_config_path": self.deepspeed_config_path, "grace": self.grace,
             "warnings": list(self.warnings),
             "deepspeed_autos": dict(self.deepspeed_autos) if self.deepspeed_autos is not None else None,
+            "resume_dir": self.resume_dir or self.checkpoint_dir,
         }
 
 
@@ -403,4 +409,5 @@ def make_plan(spec: JobSpec, pool: ResourcePool, inputs: PlanInputs) -> JobPlan:
         resume_tag=inputs.resume_tag, deepspeed_config=ds_config,
         deepspeed_config_path=inputs.deepspeed_config_path, grace=spec.stop_grace_seconds,
         warnings=tuple(pool.warnings) + tuple(launcher.warnings(shown)) + tuple(inputs.config_warnings),
-        resume_universal_from=inputs.resume_universal_from if inputs.resume_tag else None)
+        resume_universal_from=inputs.resume_universal_from if inputs.resume_tag else None,
+        resume_dir=inputs.resume_dir or inputs.checkpoint_dir)

@@ -34,9 +34,28 @@ def checkpoint_dir_of(spec: JobSpec, state_dir: str | Path, job_id: str) -> str:
     return spec.checkpoint_dir or str((Path(state_dir) / "jobs" / job_id / "checkpoints").resolve())
 
 
+def output_dir_arg(spec: JobSpec) -> str | None:
+    """The ``--output_dir`` (or ``--output-dir``) the spec's arguments give the script (HF Trainer's
+    ``TrainingArguments.output_dir``, where it writes ``checkpoint-<N>``), absolute (relative: to the
+    workdir); None if they give none."""
+    args = list(spec.args)
+    for i, arg in enumerate(args):
+        for flag in ("--output_dir", "--output-dir"):
+            if arg == flag and i + 1 < len(args):
+                value = args[i + 1]
+            elif arg.startswith(flag + "="):
+                value = arg[len(flag) + 1:]
+            else:
+                continue
+            return str((Path(spec.workdir) / os.path.expanduser(value)).resolve())
+    return None
+
+
 def resume_dir_of(spec: JobSpec, state_dir: str | Path, job_id: str) -> str:
-    """Where the job's checkpoints are looked for: the spec's ``resume.dir``, else its checkpoint directory."""
-    return spec.resume.dir or checkpoint_dir_of(spec, state_dir, job_id)
+    """Where the job's checkpoints are looked for: the spec's ``resume.dir``; else its ``checkpoint_dir``;
+    else the ``--output_dir`` its arguments give (an HF Trainer script's); else orch's directory for the job."""
+    return (spec.resume.dir or spec.checkpoint_dir or output_dir_arg(spec)
+            or checkpoint_dir_of(spec, state_dir, job_id))
 
 
 def checkpoint_watch(spec: JobSpec, state_dir: str | Path, job_id: str) -> dict:
@@ -129,7 +148,7 @@ def prepare_plan(spec: JobSpec, state_dir: str | Path, job_id: str, *, attempt: 
             accelerate_env_defaults=job_ds.env_defaults(),
             config_warnings=tuple(job_ds.warnings) + provisioner.plan_notes(),
             resume_args=tuple(resume_args), resume_env=dict(resume_env or {}),
-            checkpoint_watch=checkpoint_watch(spec, state_dir, job_id))
+            checkpoint_watch=checkpoint_watch(spec, state_dir, job_id), resume_dir=resume_dir_of(spec, state_dir, job_id))
         inputs = dataclasses.replace(inputs, accelerate_env=job_ds.env(inputs.deepspeed_config_path))
         plan = dataclasses.replace(make_plan(spec, pool, inputs), deepspeed_autos=job_ds.autos)
         return plan, lease
