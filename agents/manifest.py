@@ -10,8 +10,8 @@ file damaged between attempts is found, not recorded anew. Each node hashes the 
 (the rank in the file name: ``zero_pp_rank_3_...``, ``rng_state_3.pth``, ``random_states_3.pkl``) and
 node 0 the rest, so node-local disks are covered and shared storage is read once.
 
-Hashes are xxHash's XXH3-128 (the ``xxhash`` package): 28 GB/s on one core here, so hashing is
-bounded by reading the file. ``full`` hashes every byte; ``sampled`` hashes the size and
+Hashes are xxHash's XXH3-128 (the ``xxhash`` package): 14-28 GB/s on one core here, so hashing is
+bounded by reading the file (``bench/manifest_cost.py``). ``full`` hashes every byte; ``sampled`` hashes the size and
 :data:`SAMPLE_BLOCKS` blocks of :data:`BLOCK` bytes spread evenly over the file (first and last
 included), which finds a truncated, extended or rewritten file and most partial overwrites, but not
 a change that falls between the blocks; ``auto`` is ``full`` up to a size and ``sampled`` above it.
@@ -104,8 +104,10 @@ def hash_file(path: str, name: str, mode: str = "auto", sample_above: int = 1 <<
     h = xxhash.xxh3_128()
     with open(path, "rb", buffering=0) as f:
         if used == "full":
-            for block in iter(lambda: f.read(BLOCK * 8), b""):
-                h.update(block)
+            buf = bytearray(BLOCK * 8)
+            view = memoryview(buf)
+            while n := f.readinto(buf):
+                h.update(view[:n])
         else:
             h.update(st.st_size.to_bytes(8, "little"))
             for offset in _sample_offsets(st.st_size):
