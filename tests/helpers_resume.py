@@ -20,10 +20,10 @@ def wait_listed(orch: Any, timeout: float = 60) -> str:
 
 
 def kill_rank_at(orch: Any, job: str, rank: int, at_step: int, pattern: str = r"^step=(\d+) ",
-                 timeout: float = 300) -> int:
-    """SIGKILL rank ``rank`` of the job's first attempt once its log shows a step >= ``at_step``
-    (``pattern``'s group 1); returns that step."""
-    log = orch.state_dir / "jobs" / job / "attempt-1" / "logs" / f"rank-{rank}.log"
+                 timeout: float = 300, log_rank: int | None = None) -> int:
+    """SIGKILL rank ``rank`` of the job's first attempt once the log of rank ``log_rank`` (default: the same)
+    shows a step >= ``at_step`` (``pattern``'s group 1); returns that step."""
+    log = orch.state_dir / "jobs" / job / "attempt-1" / "logs" / f"rank-{rank if log_rank is None else log_rank}.log"
     pid: int | None = None
 
     def step_now() -> int | None:
@@ -33,7 +33,8 @@ def kill_rank_at(orch: Any, job: str, rank: int, at_step: int, pattern: str = r"
             pid = next((r["pid"] for r in ranks if r["global_rank"] == rank and r["pid"]), None)
             return None
         try:
-            steps = [int(m) for m in re.findall(pattern, log.read_text(errors="replace"), re.MULTILINE)]
+            text = log.read_text(errors="replace").replace("\r", "\n")  # progress bars' carriage returns
+            steps = [int(m) for m in re.findall(pattern, text, re.MULTILINE)]
         except OSError:
             return None
         return max(steps) if steps and max(steps) >= at_step else None
@@ -56,13 +57,13 @@ def stop(proc: Any) -> None:
 
 
 def run_and_kill(orch: Any, spec: Path, rank: int, at_step: int, pattern: str = r"^step=(\d+) ",
-                 timeout: float = 300) -> str:
+                 timeout: float = 300, log_rank: int | None = None) -> str:
     """``orch run spec`` in the background, rank ``rank`` killed at step ``at_step`` or later
     (:func:`kill_rank_at`). Returns the job id, once the run has ended FAILED."""
     proc = orch.popen("run", str(spec))
     try:
         job = wait_listed(orch)
-        kill_rank_at(orch, job, rank, at_step, pattern, timeout)
+        kill_rank_at(orch, job, rank, at_step, pattern, timeout, log_rank)
         out, err = proc.communicate(timeout=120)
         assert proc.returncode == 1, out[-2000:] + err[-2000:]
     finally:
@@ -73,7 +74,8 @@ def run_and_kill(orch: Any, spec: Path, rank: int, at_step: int, pattern: str = 
 
 def losses(log: Path, pattern: str = r"^step=(\d+) rank=\d+ loss=(\S+)") -> dict[int, str]:
     """``{step: loss as printed}`` of one rank's log (the last line of a step wins)."""
-    return {int(s): loss for s, loss in re.findall(pattern, log.read_text(errors="replace"), re.MULTILINE)}
+    text = log.read_text(errors="replace").replace("\r", "\n")  # progress bars' carriage returns
+    return {int(s): loss for s, loss in re.findall(pattern, text, re.MULTILINE)}
 
 
 def truncate(path: Path, keep: float = 0.5) -> None:

@@ -1,5 +1,9 @@
 """Resuming scripts that were never written for orch, from the checkpoints they write themselves.
 
+tests/scripts/hf_trainer_train.py is an HF Trainer script (``--deepspeed`` with a config of "auto"s,
+``save_steps``): orch finds its ``checkpoint-<N>`` under ``--output_dir`` and resumes it with
+``--resume_from_checkpoint``; the logged losses after the resume equal the killed run's.
+
 tests/scripts/ds_tutorial_train.py is a DeepSpeed tutorial-style script (``engine.save_checkpoint(save_dir,
 client_state=...)`` every 10 steps, ``engine.load_checkpoint(load_dir)`` at start, which loads the tag
 DeepSpeed's ``latest`` names). On 2 local nodes its rank 1 is killed mid-run; ``orch resume`` must start
@@ -26,6 +30,8 @@ pytestmark = pytest.mark.integration
 
 SCRIPTS = ROOT / "tests" / "scripts"
 TWO_NODES = "node-0 slots=1\nnode-1 slots=1\n"
+#: The HF script's loss line, which may follow the Trainer's progress bar on the same line.
+HF_STEP = r"(?:^|\])step=(\d+)"
 
 
 def _ds_spec(write_spec, hostfile, ckpt: Path, steps: int = 80, **extra) -> Path:
@@ -144,4 +150,35 @@ def test_a_rank_that_crashes_loading_a_tag_makes_the_next_restart_skip_it(orch, 
     p = _preview(orch, job)  # attempt 3 saved the tag again: its bad mark is gone with the old files
     assert p["resume_tag"] == "global_step80" and not any("marked bad" in "; ".join(c["problems"])
                                                          for c in p["checkpoints"]["checkpoints"]), p
+    assert_no_leftovers(job, timeout=5)
+
+
+def test_hf_trainer_script_resumes_from_its_checkpoint_dirs(orch, write_spec, hostfile, tmp_path) -> None:
+    helpers_train.prebuild_ops()
+    out = tmp_path / "out"
+    args = ["--deepspeed", str(SCRIPTS / "hf_ds_zero2.json"), "--output_dir", str(out), "--max_steps", "120",
+            "--save_steps", "10", "--logging_steps", "1", "--per_device_train_batch_size", "4", "--report_to",
+            "none", "--seed", "42"]
+    spec = write_spec(name="hftrainer", hostfile=str(hostfile(TWO_NODES)), launcher="standard", workdir=str(SCRIPTS),
+                      entrypoint="hf_trainer_train.py", args=args, stop_grace_seconds=5,
+                      env={"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"})
+    job = helpers_resume.run_and_kill(orch, spec, rank=1, at_step=25, log_rank=0, pattern=HF_STEP + " loss=")
+    status = orch.json("status", job)
+    first = Path(status["run_dir"]) / "logs" / "rank-0.log"
+    view = status["checkpoints"]
+    assert view["format"] == "hf_trainer" and view["dir"] == str(out), view
+    newest = view["next_resume"]
+    step = int(newest.removeprefix("checkpoint-"))
+    row = next(c for c in view["checkpoints"] if c["tag"] == newest)
+    assert row["complete"] and row["recorded_files"] >= 6, row  # weights, DS tag files, rng x2, trainer_state
+    r = orch("resume", job, timeout=400)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert f"the script gets --resume_from_checkpoint {out / newest}" in r.stdout, r.stdout[-2000:]
+    detail = orch.json("status", job)
+    assert detail["state"] == "SUCCEEDED" and detail["attempts"][1]["resume_tag"] == newest
+    before, after = (helpers_resume.losses(p, HF_STEP + r" loss=(\S+)")
+                     for p in (first, Path(detail["run_dir"]) / "logs" / "rank-0.log"))
+    assert min(after) == step + 1 and max(after) == 120, sorted(after)[:3]
+    overlap = sorted(set(before) & set(after))
+    assert overlap and all(after[s] == before[s] for s in overlap), [(s, before[s], after[s]) for s in overlap]
     assert_no_leftovers(job, timeout=5)
