@@ -68,6 +68,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         c.print(json.dumps(plan.deepspeed_config, indent=2), markup=False, highlight=False, soft_wrap=True)
     if plan.deepspeed_autos:
         c.print(autos_line(plan.deepspeed_autos), markup=False, highlight=False, soft_wrap=True)
+    c.print(checkpoints_line(spec, plan), markup=False, highlight=False, soft_wrap=True)
     c.print(Text(f"What the real {plan.launcher} launcher would run:", style="bold"))
     for cmd in plan.real_commands:
         where = f"on {cmd.where}" if cmd.where else "on the launching machine"
@@ -77,6 +78,18 @@ def cmd_plan(args: argparse.Namespace) -> int:
     for w in plan.warnings:
         err_console.print(Text(f"warning: {w}", style="yellow"))
     return 0
+
+
+def checkpoints_line(spec, plan) -> str:
+    """Where a resume of the job looks for checkpoints, in which format, and how it tells the script."""
+    from ...checkpoints.detect import detect_format
+    fmt, why = (spec.resume.format, "resume.format") if spec.resume.format != "auto" else detect_format(plan.resume_dir)
+    args = spec.resume.resume_args(fmt)
+    told = (f"adds {' '.join(args)}" if args else
+            "points DeepSpeed's latest at the chosen tag" if spec.resume.rewrites_latest(fmt) else
+            "sets ORCH_RESUME_CHECKPOINT and ORCH_RESUME_TAG only")
+    return (f"checkpoints: {plan.resume_dir} ({fmt} format: {why}); agents hash them ({spec.resume.hash}); "
+            f"a resume {told}")
 
 
 def autos_line(autos: dict) -> str:
