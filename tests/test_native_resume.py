@@ -3,6 +3,9 @@
 tests/scripts/hf_trainer_train.py is an HF Trainer script (``--deepspeed`` with a config of "auto"s,
 ``save_steps``): orch finds its ``checkpoint-<N>`` under ``--output_dir`` and resumes it with
 ``--resume_from_checkpoint``; the logged losses after the resume equal the killed run's.
+tests/scripts/accelerate_ds_train.py is an Accelerate script with its DeepSpeed plugin (ZeRO-2 on the CPU:
+gloo) and ``save_state``: orch finds ``<project_dir>/checkpoints/checkpoint_<n>`` and passes the one to
+load as the script's own ``--resume_from`` (``resume.args``).
 
 tests/scripts/ds_tutorial_train.py is a DeepSpeed tutorial-style script (``engine.save_checkpoint(save_dir,
 client_state=...)`` every 10 steps, ``engine.load_checkpoint(load_dir)`` at start, which loads the tag
@@ -181,4 +184,37 @@ def test_hf_trainer_script_resumes_from_its_checkpoint_dirs(orch, write_spec, ho
     assert min(after) == step + 1 and max(after) == 120, sorted(after)[:3]
     overlap = sorted(set(before) & set(after))
     assert overlap and all(after[s] == before[s] for s in overlap), [(s, before[s], after[s]) for s in overlap]
+    assert_no_leftovers(job, timeout=5)
+
+
+def test_accelerate_deepspeed_script_resumes_from_its_save_state_dirs(orch, write_spec, hostfile, tmp_path) -> None:
+    helpers_train.prebuild_ops()
+    project = tmp_path / "project"
+    args = ["--deepspeed_config", str(SCRIPTS / "ds_accelerate_zero2.json"), "--project_dir", str(project),
+            "--steps", "150", "--save_every", "10"]
+    spec = write_spec(name="accel", hostfile=str(hostfile(TWO_NODES)), launcher="standard", workdir=str(SCRIPTS),
+                      entrypoint="accelerate_ds_train.py", args=args, stop_grace_seconds=5,
+                      resume={"dir": str(project / "checkpoints"), "args": ["--resume_from", "{checkpoint}"]},
+                      env={"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"})
+    job = helpers_resume.run_and_kill(orch, spec, rank=1, at_step=25)
+    status = orch.json("status", job)
+    first = Path(status["run_dir"]) / "logs"
+    view = status["checkpoints"]
+    assert view["format"] == "accelerate", view
+    newest = view["next_resume"]
+    row = next(c for c in view["checkpoints"] if c["tag"] == newest)
+    assert row["complete"] and row["dp_world_size"] == 2 and row["zero_stage"] == 2, row
+    assert row["recorded_files"] >= 7  # pytorch_model/ (3), latest, scheduler, random_states x2, custom
+    r = orch("resume", job, timeout=400)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert f"the script gets --resume_from {project / 'checkpoints' / newest}" in r.stdout, r.stdout[-2000:]
+    detail = orch.json("status", job)
+    assert detail["state"] == "SUCCEEDED" and detail["attempts"][1]["resume_tag"] == newest
+    second = Path(detail["run_dir"]) / "logs"
+    for rank in (0, 1):
+        before, after = (helpers_resume.losses(d / f"rank-{rank}.log") for d in (first, second))
+        start = min(after)
+        assert start % 10 == 1 and start <= max(before) + 1 and max(after) == 150, (start, max(before))
+        overlap = sorted(set(before) & set(after))
+        assert overlap and all(after[s] == before[s] for s in overlap), rank
     assert_no_leftovers(job, timeout=5)

@@ -30,8 +30,14 @@ from dataclasses import dataclass, field
 
 import torch
 from accelerate import PartialState
-from transformers import (GPT2Config, GPT2LMHeadModel, HfArgumentParser, Trainer, TrainerCallback,
-                          TrainingArguments)
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    HfArgumentParser,
+    Trainer,
+    TrainerCallback,
+    TrainingArguments,
+)
 
 
 @dataclass
