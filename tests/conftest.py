@@ -24,6 +24,15 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".torch_extensions"))
 
 
+#: Hugging Face's ZeRO-2 example for the Trainer, in short: what it fills is "auto".
+HF_DS = {"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto", "gradient_accumulation_steps": "auto",
+         "gradient_clipping": "auto", "fp16": {"enabled": "auto"},
+         "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
+         "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                                                      "warmup_num_steps": "auto"}},
+         "zero_optimization": {"stage": 2, "reduce_bucket_size": "auto"}}
+
+
 def job_processes(job_id: str) -> list[psutil.Process]:
     """Every live process of a job: ranks (ORCH_ATTEMPT_ID) and agents (ORCH_AGENT_ATTEMPT_ID)."""
     found = []

@@ -33,12 +33,12 @@ def _ds_header(step: int, dp: int = 2, stage: int = 2) -> dict:
             "ds_config": {"zero_optimization": {"stage": stage}}, "ds_version": "0.19.8"}
 
 
-def ds_tag(root: Path, tag: str, step: int, dp: int = 2, latest: bool = True) -> Path:
-    """A DeepSpeed ZeRO-2 tag as ``engine.save_checkpoint`` writes it for ``dp`` ranks."""
+def ds_tag(root: Path, tag: str, step: int, dp: int = 2, latest: bool = True, stage: int = 2) -> Path:
+    """A DeepSpeed ZeRO-``stage`` tag (0-2) as ``engine.save_checkpoint`` writes it for ``dp`` ranks."""
     d = root / tag
     d.mkdir(parents=True)
-    torch.save(_ds_header(step, dp), d / "mp_rank_00_model_states.pt")
-    for r in range(dp):
+    torch.save(_ds_header(step, dp, stage), d / "mp_rank_00_model_states.pt")
+    for r in range(dp if stage else 0):
         torch.save({"optimizer_state_dict": {"r": torch.full((64,), float(r))}}, d / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt")
     if latest:
         (root / "latest").write_text(tag)
@@ -259,3 +259,12 @@ def test_an_hf_scripts_output_dir_is_where_its_checkpoints_are(tmp_path: Path) -
     assert where(args=["--output_dir", "out"], checkpoint_dir="/ck") == "/ck"
     assert where(args=["--output_dir", "out"], resume={"dir": "/r"}) == "/r"
     assert where(args=["--steps", "3"]) == str((tmp_path / "state" / "jobs" / "r-1" / "checkpoints").resolve())
+
+
+def test_a_zero_checkpoint_of_another_format_resumes_only_at_its_world_size(tmp_path: Path) -> None:
+    from orchestrator.supervision.resume import check_world
+    info = get_format("deepspeed").inspect(ds_tag(tmp_path, "global_step10", 10, dp=2))
+    check_world(info, 2)
+    with pytest.raises(CheckpointError, match=r"saved by 2 data-parallel ranks, but this attempt has 3"):
+        check_world(info, 3)
+    check_world(get_format("deepspeed").inspect(ds_tag(tmp_path / "z0", "global_step10", 10, dp=2, stage=0)), 3)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 
 import pytest
+from conftest import HF_DS
 
 from orchestrator.errors import LaunchError, PlanError, SpecError
 from orchestrator.planning import PlanInputs, ResourcePool, make_plan, resolve_pool
@@ -157,13 +158,6 @@ def test_every_node_knows_the_master_and_the_directory_to_put_first_on_path(tmp_
 
 
 HF_TRAINER_SCRIPT = "from transformers import Trainer, TrainingArguments\n"
-#: Hugging Face's ZeRO-2 example for the Trainer, in short: what it fills is "auto".
-HF_DS = {"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto", "gradient_accumulation_steps": "auto",
-         "gradient_clipping": "auto", "fp16": {"enabled": "auto"},
-         "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
-         "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
-                                                      "warmup_num_steps": "auto"}},
-         "zero_optimization": {"stage": 2, "reduce_bucket_size": "auto"}}
 HF_LEFT = ["train_micro_batch_size_per_gpu", "train_batch_size", "gradient_accumulation_steps", "gradient_clipping",
            "fp16.enabled", "optimizer.params.lr", "optimizer.params.betas", "optimizer.params.eps",
            "optimizer.params.weight_decay", "scheduler.params.warmup_min_lr", "scheduler.params.warmup_max_lr",

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+from conftest import HF_DS
 
 from orchestrator.errors import SpecError
 from orchestrator.spec import load_deepspeed_config, load_spec, pass_through, spec_from_dict
@@ -226,13 +227,6 @@ import torch
 from transformers import (GPT2Config, GPT2LMHeadModel, HfArgumentParser, Trainer, TrainerCallback,
                           TrainingArguments)
 """
-#: Hugging Face's ZeRO-2 example for the Trainer, in short: what it fills is "auto".
-HF_DS = {"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto", "gradient_accumulation_steps": "auto",
-         "gradient_clipping": "auto", "fp16": {"enabled": "auto"},
-         "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
-         "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
-                                                      "warmup_num_steps": "auto"}},
-         "zero_optimization": {"stage": 2, "reduce_bucket_size": "auto"}}
 
 
 def _ds_job(project: Path, script: str, source: str, **fields):

@@ -36,7 +36,7 @@ from .ports import PortLease
 from .messages import rank_log_tail
 from .prepare import prepare_plan, resume_dir_of
 from .restarts import Restarts
-from .resume import check_fresh_start, convert, crashed_loading, find_start, rewrite_latest, tell_script
+from .resume import check_fresh_start, check_world, convert, crashed_loading, find_start, rewrite_latest, tell_script
 from .settings import Timings
 
 __all__ = ["Controller", "default_state_dir", "new_job_id"]
@@ -187,6 +187,12 @@ class Controller:
         args, env = tell_script(spec, choice) if choice else ((), {})
         plan, lease = prepare_plan(spec, self.state_dir, job.id, attempt=number,
                                    resume_tag=info.tag if info else None, resume_args=args, resume_env=env)
+        if info is not None and info.format != "orch":
+            try:
+                check_world(info, plan.world_size)
+            except CheckpointError:
+                lease.release()
+                raise
         if info is not None and info.format == "orch" and needs_universal(info, plan.world_size):
             lease.release()  # converting may take minutes; the port is reserved again below
             universal, event = convert(info, spec, plan.world_size)

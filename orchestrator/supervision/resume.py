@@ -20,7 +20,8 @@ from ..store import Store
 from .prepare import rank_python, resume_dir_of
 from .settings import env_seconds
 
-__all__ = ["check_fresh_start", "convert", "find_start", "tell_script", "LOAD_FRAMES", "crashed_loading"]
+__all__ = ["check_fresh_start", "check_world", "convert", "find_start", "tell_script", "LOAD_FRAMES",
+           "crashed_loading"]
 
 
 def find_start(store: Store, job_id: str, spec: JobSpec, state_dir: str | Path, contents: bool = True) -> Choice:
@@ -42,6 +43,25 @@ def find_start(store: Store, job_id: str, spec: JobSpec, state_dir: str | Path, 
                       bad=store.bad_checkpoints(job_id, root), contents=contents)
     except ValueError as err:
         raise CheckpointError(f"Job {job_id}: {err}.") from err
+
+
+def check_world(info: CheckpointInfo, world_size: int) -> None:
+    """A DeepSpeed, HF Trainer or Accelerate checkpoint saved at ZeRO stage 1-3 resumes only on as many
+    data-parallel ranks as saved it: DeepSpeed loads ZeRO optimizer partitions at the saving data-parallel
+    world size alone (``DeepSpeedEngine._load_zero_checkpoint``: "The checkpoint being loaded used a DP
+    world size of ..."). orch converts only its own format's checkpoints to the universal format.
+
+    Raises:
+        CheckpointError: it was saved by another number of ranks; names both and what to do.
+    """
+    saved = info.dp_world_size
+    if not info.zero_stage or saved is None or saved == world_size:
+        return
+    raise CheckpointError(f"Checkpoint {info.path} ({info.format} format, ZeRO stage {info.zero_stage}) was saved by "
+                          f"{saved} data-parallel ranks, but this attempt has {world_size}: DeepSpeed loads ZeRO "
+                          f"optimizer partitions only at the world size that saved them, and orch converts only "
+                          "checkpoints of its own contract to DeepSpeed's universal format. Resume on "
+                          f"{saved} ranks (the same hosts and slots), or start over with --fresh.")
 
 
 def tell_script(spec: JobSpec, choice: Choice) -> tuple[tuple[str, ...], dict[str, str]]:
