@@ -56,6 +56,10 @@ def test_submit_follow_cancel_resume_through_the_server(orch, server, write_spec
     assert r.returncode == 0 and "CANCELLED" in r.stdout
     assert_no_leftovers(job_id)
 
+    preview = orch.json("resume", job_id, "--dry-run")  # asked of the server: nothing starts
+    assert preview["job"] == job_id and preview["state"] == "CANCELLED" and preview["resume_tag"] is None
+    assert preview["fresh_start"].startswith("no checkpoint was ever saved") and preview["checkpoints"]["checkpoints"] == []
+    assert orch.json("status", job_id)["attempt"] == 1
     res = orch.json("resume", job_id)  # the server runs attempt 2; the CLI returns at once
     assert res["attempt"] == 2 and res["restarts"] == 1
     wait_for(lambda: orch.json("status", job_id)["state"] == "RUNNING", 60, "attempt 2 RUNNING")

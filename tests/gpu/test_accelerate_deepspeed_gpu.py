@@ -1,9 +1,12 @@
 """examples/accelerate_train.py with Accelerate's DeepSpeed integration on GPUs, under orch.
 
-Needs CUDA: Accelerate 1.15 runs DeepSpeed only on an accelerator. Without one it sets every
-process up alone (``num_processes`` 1) even though DeepSpeed joins them, and with
-``ACCELERATE_USE_CPU`` it leaves DeepSpeed out (tests/test_unchanged_scripts.py covers the CPU
-form). This is the suite's only skip, and only when ``torch.cuda.is_available()`` is False.
+Needs CUDA: examples/accelerate_train.py leaves the process group's backend to Accelerate, and
+Accelerate 1.15 finds none on a machine without an accelerator: it sets every process up alone
+(``num_processes`` 1) even though DeepSpeed joins them, and with ``ACCELERATE_USE_CPU`` it leaves
+DeepSpeed out (tests/test_unchanged_scripts.py covers the CPU form). A script that asks for gloo
+(``InitProcessGroupKwargs(backend="gloo")``, tests/scripts/accelerate_ds_train.py) runs DeepSpeed on
+the CPU (tests/test_native_resume.py). These GPU tests are the suite's only skips, and only when
+``torch.cuda.is_available()`` is False.
 
 The job is what ``accelerate launch --use_deepspeed --deepspeed_config_file ...`` would set
 up, written as a plain orch spec: the ``standard`` launcher (torchrun's variables, and
@@ -30,8 +33,8 @@ from conftest import ROOT, assert_no_leftovers
 pytestmark = [
     pytest.mark.integration,
     pytest.mark.skipif(not torch.cuda.is_available(),
-                       reason="no CUDA device: Accelerate 1.15 runs DeepSpeed only on an accelerator (the CPU form "
-                              "runs in tests/test_unchanged_scripts.py)"),
+                       reason="no CUDA device: this script's Accelerate finds no process-group backend without one "
+                              "(the CPU forms run in tests/test_unchanged_scripts.py and tests/test_native_resume.py)"),
 ]
 
 EXAMPLES = ROOT / "examples"
