@@ -268,3 +268,12 @@ def test_a_zero_checkpoint_of_another_format_resumes_only_at_its_world_size(tmp_
     with pytest.raises(CheckpointError, match=r"saved by 2 data-parallel ranks, but this attempt has 3"):
         check_world(info, 3)
     check_world(get_format("deepspeed").inspect(ds_tag(tmp_path / "z0", "global_step10", 10, dp=2, stage=0)), 3)
+
+
+def test_fresh_says_that_a_script_loading_latest_itself_is_not_started_over(tmp_path: Path) -> None:
+    from orchestrator.supervision.resume import fresh_start_note
+    spec = spec_from_dict({"name": "r", "entrypoint": "t.py", "checkpoint_dir": str(tmp_path)}, check_files=False)
+    assert fresh_start_note(spec, tmp_path / "state", "r-1") is None
+    ds_tag(tmp_path, "global_step10", 10)
+    note = fresh_start_note(spec, tmp_path / "state", "r-1")
+    assert note.startswith(f"--fresh: DeepSpeed's {tmp_path / 'latest'} names global_step10; a script that calls")

@@ -36,7 +36,7 @@ from .ports import PortLease
 from .messages import rank_log_tail
 from .prepare import prepare_plan, resume_dir_of
 from .restarts import Restarts
-from .resume import check_fresh_start, check_world, convert, crashed_loading, find_start, rewrite_latest, tell_script
+from .resume import check_fresh_start, check_world, convert, fresh_start_note, crashed_loading, find_start, rewrite_latest, tell_script
 from .settings import Timings
 
 __all__ = ["Controller", "default_state_dir", "new_job_id"]
@@ -210,6 +210,9 @@ class Controller:
                 "checkpoint_format": choice.format if choice else None, "resume_args": list(args),
                 "latest_rewritten": latest,
                 "skipped_checkpoints": [{"tag": s.tag, "problems": list(s.problems)} for s in skipped]})
+            note = fresh_start_note(spec, self.state_dir, job.id) if fresh else None
+            if note:
+                self.store.add_event(job.id, number, "warning", {"message": note})
             if exclude_hosts:
                 self.store.update_spec(job.id, spec.to_dict())
             self.store.set_owner(job.id, self.owner)

@@ -12,6 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from ..checkpoints import MARKER, CheckpointInfo, UniversalCheckpoint, convert_to_universal
+from ..checkpoints.deepspeed_layout import read_latest
+from ..checkpoints.detect import detect_format
 from ..checkpoints.formats import point_latest
 from ..checkpoints.integrity import Choice, choose
 from ..errors import CheckpointError
@@ -20,7 +22,7 @@ from ..store import Store
 from .prepare import rank_python, resume_dir_of
 from .settings import env_seconds
 
-__all__ = ["check_fresh_start", "check_world", "convert", "find_start", "tell_script", "LOAD_FRAMES",
+__all__ = ["check_fresh_start", "check_world", "fresh_start_note", "convert", "find_start", "tell_script", "LOAD_FRAMES",
            "crashed_loading"]
 
 
@@ -43,6 +45,20 @@ def find_start(store: Store, job_id: str, spec: JobSpec, state_dir: str | Path, 
                       bad=store.bad_checkpoints(job_id, root), contents=contents)
     except ValueError as err:
         raise CheckpointError(f"Job {job_id}: {err}.") from err
+
+
+def fresh_start_note(spec: JobSpec, state_dir: str | Path, job_id: str) -> str | None:
+    """What ``--fresh`` cannot do, said before it starts: a DeepSpeed script that calls
+    ``engine.load_checkpoint(dir)`` itself loads the tag ``<dir>/latest`` names whatever orch says (orch
+    rewrites ``latest`` only to point at a chosen tag, never away). None when there is no such file."""
+    root = resume_dir_of(spec, state_dir, job_id)
+    fmt = spec.resume.format if spec.resume.format != "auto" else detect_format(root)[0]
+    latest = read_latest(root) if fmt in ("deepspeed", "orch") else None
+    if latest is None:
+        return None
+    return (f"--fresh: DeepSpeed's {Path(root) / 'latest'} names {latest}; a script that calls "
+            f"engine.load_checkpoint({root}) loads that tag anyway, whatever orch records (a start from step 0). "
+            f"To really start over, remove the script's load argument or move {Path(root) / 'latest'} away")
 
 
 def check_world(info: CheckpointInfo, world_size: int) -> None:

@@ -99,6 +99,9 @@ def follow_plain(controller: Any, job_id: str, run: Any, args: argparse.Namespac
                 say(f"restart {ev.data['restart']} of {ev.data['max_restarts']} in {ev.data['in_seconds']:.0f} s"
                     + (f" without {', '.join(ev.data['exclude_hosts'])}" if ev.data.get("exclude_hosts") else "")
                     + " (restart policy)", ev.at)
+            elif ev.kind == "checkpoint_marked_bad":
+                say(f"checkpoint {ev.data['tag']} marked bad: {ev.data['reason']}; no resume starts from it again "
+                    "until it is saved again", ev.at)
             elif ev.kind == "cause_revised":
                 say(f"root cause of attempt {ev.attempt}: {(ev.data.get('cause') or {}).get('message')}", ev.at)
             elif ev.kind == "checkpoint_converted":
