@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 import threading
 import time
 from dataclasses import dataclass
@@ -129,14 +130,19 @@ def owner_rank(name: str) -> int | None:
 
 
 def _walk(tag_dir: str) -> Iterable[tuple[str, str]]:
-    """``(path, name relative to tag_dir)`` of every regular file under ``tag_dir``; hidden entries and
-    temporary files (``*.tmp``) left out."""
+    """``(path, name relative to tag_dir)`` of every regular file under ``tag_dir`` (not a link, a FIFO or a
+    device); hidden entries and temporary files (``*.tmp``) left out."""
     for top, dirs, files in os.walk(tag_dir):
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))
         for f in sorted(files):
             if f.startswith(".") or f.endswith(".tmp"):
                 continue
             path = os.path.join(top, f)
+            try:
+                if not stat.S_ISREG(os.lstat(path).st_mode):  # a FIFO would block the read forever
+                    continue
+            except OSError:
+                continue
             yield path, os.path.relpath(path, tag_dir).replace(os.sep, "/")
 
 

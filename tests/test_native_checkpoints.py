@@ -277,3 +277,58 @@ def test_fresh_says_that_a_script_loading_latest_itself_is_not_started_over(tmp_
     ds_tag(tmp_path, "global_step10", 10)
     note = fresh_start_note(spec, tmp_path / "state", "r-1")
     assert note.startswith(f"--fresh: DeepSpeed's {tmp_path / 'latest'} names global_step10; a script that calls")
+
+
+def test_files_the_manifest_lacks_are_checked_by_their_crcs(tmp_path: Path) -> None:
+    """A node lost before its agent hashed its ranks' files leaves a partial manifest: the rest are checked too."""
+    d = ds_tag(tmp_path, "global_step10", 10)
+    ds_tag(tmp_path, "global_step5", 5, latest=False)
+    partial = {k: v for k, v in _manifest(d).items() if "zero_pp_rank_1" not in k}
+    entry = flip_tensor_bytes(d / "zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    c = choose(tmp_path, manifest=lambda tag: partial if tag == "global_step10" else {})
+    assert c.chosen.tag == "global_step5" and entry in c.skipped[0].problems[0]
+
+
+def test_a_fifo_named_like_a_shard_is_reported_not_waited_on(tmp_path: Path) -> None:
+    d = ds_tag(tmp_path, "global_step10", 10)
+    shard = d / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    shard.unlink()
+    os.mkfifo(shard)
+    c = choose(tmp_path)  # would block forever opening it
+    assert c.chosen is None and "zero_pp_rank_1_mp_rank_00_optim_states.pt" in "; ".join(c.skipped[0].problems)
+    from agents.manifest import CheckpointWatch
+    out: list[dict] = []
+    w = CheckpointWatch({"dir": str(tmp_path), "world_size": 2}, [0, 1], 0, lambda m: out.extend(m["files"]) or True)
+    (d / "mp_rank_00_model_states.pt").write_bytes(b"x")  # written after the agent started
+    w.stop(final_deadline_s=5)
+    assert [f["name"] for f in out] == ["mp_rank_00_model_states.pt"]
+
+
+def test_a_wrong_format_in_the_spec_is_pointed_out(tmp_path: Path) -> None:
+    ds_tag(tmp_path, "global_step10", 10)
+    c = choose(tmp_path, "hf_trainer")
+    assert c.chosen is None and "looks like the deepspeed format" in c.format_reason
+
+
+def test_placeholders_take_no_conversion_or_format() -> None:
+    for bad in ("{checkpoint!r}", "{step:d}", "--x={step:>8}"):
+        with pytest.raises(SpecError, match="a placeholder takes no conversion or format"):
+            _spec(args=[bad])
+
+
+def test_a_directory_gone_after_checkpoints_were_recorded_is_not_called_never_saved(tmp_path: Path) -> None:
+    from orchestrator.store import Store
+    from orchestrator.supervision.resume import check_reachable
+    store = Store(tmp_path / "orch.db")
+    store.create_job("j-1", "j", {})
+    gone = tmp_path / "mnt" / "ckpt"
+    store.record_checkpoint_files("j-1", 1, str(gone), 0, [{"tag": "global_step20", "name": "a.pt", "size": 1,
+                                                            "mtime_ns": 1, "hash": None, "mode": "off"}])
+    with pytest.raises(CheckpointError, match=r"recorded 1 checkpoint\(s\) in .*ckpt \(newest global_step20\), but "
+                                              r"the directory is missing on this host: is its storage mounted"):
+        check_reachable(store, "j-1", choose(gone))
+    gone.mkdir(parents=True)
+    with pytest.raises(CheckpointError, match="holds none of them now"):
+        check_reachable(store, "j-1", choose(gone))
+    check_reachable(store, "j-2", choose(gone))  # nothing recorded: the usual rules (--fresh) apply
+    store.close()

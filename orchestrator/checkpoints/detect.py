@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -38,19 +39,21 @@ def detect_format(root: str | Path) -> tuple[str, str]:
     root = Path(root)
     try:
         children = sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
-    except OSError:
+    except FileNotFoundError:
         return "deepspeed", f"{root} does not exist yet"
+    except OSError as err:
+        return "deepspeed", f"{root} cannot be read ({err.strerror or err})"
     for p in children:
-        if (p / MARKER).exists():
+        if os.path.exists(p / MARKER):  # False, not an error, for an unreadable tag
             return "orch", f"{p.name}/{MARKER}"
     for p in children:
         if re.fullmatch(r"checkpoint-\d+", p.name):
             return "hf_trainer", f"{p.name} (HF Trainer's checkpoint-<step>)"
-    if (root / "random_states_0.pkl").exists():
+    if os.path.exists(root / "random_states_0.pkl"):
         return "accelerate", f"{root.name}/random_states_0.pkl (Accelerate's save_state)"
     for p in children:
         if re.fullmatch(r"checkpoint_\d+", p.name):
             return "accelerate", f"{p.name} (Accelerate's checkpoint_<n>)"
-    if (root / "latest").is_file():
+    if os.path.isfile(root / "latest"):
         return "deepspeed", "latest (DeepSpeed's)"
     return "deepspeed", "no orch, HF Trainer or Accelerate checkpoint in it"

@@ -74,11 +74,19 @@ class CheckpointFormat:
         directories (orch's own) and universal conversions (``<tag>_universal``) are never checkpoints."""
         root = Path(root)
         try:
-            children = [p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")]
+            children = [Path(e.path) for e in os.scandir(root) if e.is_dir() and not e.name.startswith(".")]
         except OSError:
             return []
-        return newest_first([self.inspect(p) for p in children
-                             if not is_universal_dir(p) and re.fullmatch(self.tag_pattern, p.name) and self.is_tag(p)])
+        found = []
+        for p in children:
+            try:
+                if is_universal_dir(p) or not re.fullmatch(self.tag_pattern, p.name) or not self.is_tag(p):
+                    continue
+                found.append(self.inspect(p))
+            except OSError as err:  # an unreadable tag is skipped, named; it never stops the others
+                found.append(CheckpointInfo(p.name, str(p), number_in(p.name), problems=(
+                    f"cannot be read ({err.strerror or err}: {err.filename or p})",), format=self.name))
+        return newest_first(found)
 
     def watch_dir(self, root: str | Path) -> tuple[str, str]:
         """``(directory, tag pattern)`` the agents watch for checkpoints under ``root``."""

@@ -28,6 +28,7 @@ import _compat_pickle
 import io
 import json
 import os
+import stat
 import pickle
 import struct
 import zipfile
@@ -526,6 +527,14 @@ def file_problem(path: str | os.PathLike) -> str | None:
     text = os.fspath(path)
     if text.endswith("/"):
         return None if os.path.isdir(text) else "missing"
+    try:
+        mode = os.stat(text).st_mode
+    except FileNotFoundError:
+        return "missing"
+    except OSError as err:
+        return f"unreadable ({err.strerror or err})"
+    if not stat.S_ISREG(mode):  # a directory, a FIFO (opening one would wait forever), a device
+        return "not a regular file"
     suffix = os.path.splitext(text)[1].lower()
     if suffix in TORCH_SUFFIXES:
         return torch_file_problem(text)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import stat
 import time
 import zipfile
 from concurrent.futures import ThreadPoolExecutor
@@ -74,10 +75,14 @@ def _file_problem(tag_dir: str, name: str, rec: Mapping[str, Any], contents: boo
     return f"{name}: its bytes changed since the save ({rec['mode']} hash differs; {when})"
 
 
-def crc_problems(info: CheckpointInfo) -> list[str]:
+def crc_problems(info: CheckpointInfo, skip: frozenset[str] | set[str] = frozenset()) -> list[str]:
     """Check every zip-format torch file of a checkpoint against the CRC-32 ``torch.save`` stored for each of
     its entries (``zipfile.ZipFile.testzip``: reads every byte; ``torch.load`` itself never checks them). The
     content check of a checkpoint with no manifest recorded (written before orch watched it, say).
+
+    Args:
+        info: the checkpoint.
+        skip: names (relative to its directory) not to check: those its manifest has.
 
     Returns:
         One problem per file whose bytes changed since ``torch.save`` wrote them, naming the entry.
@@ -86,7 +91,11 @@ def crc_problems(info: CheckpointInfo) -> list[str]:
     for top, _dirs, files in os.walk(info.path):
         for name in sorted(files):
             path = os.path.join(top, name)
+            if os.path.relpath(path, info.path).replace(os.sep, "/") in skip:
+                continue
             try:
+                if not stat.S_ISREG(os.lstat(path).st_mode):
+                    continue
                 with open(path, "rb") as f:
                     if f.read(4) != b"PK\x03\x04":
                         continue
@@ -164,6 +173,10 @@ def choose(root: str | Path, fmt: str = "auto", *, manifest: Callable[[str], Man
         fmt, why = detect_format(root)
         reason = f"detected: {why}"
     found = get_format(fmt).scan(root)
+    if reason.startswith("given") and not any(i.complete for i in found):
+        seen, why = detect_format(root)
+        if seen != fmt and get_format(seen).scan(root):
+            reason += f"; but the directory looks like the {seen} format ({why}): is resume.format right?"
     bad = bad or {}
     out, chosen, checked, damaged = [], None, {}, []
     for info in found:
@@ -176,6 +189,8 @@ def choose(root: str | Path, fmt: str = "auto", *, manifest: Callable[[str], Man
         recorded = manifest(info.tag)
         if recorded and not problems:
             problems += verify(info, recorded, contents)
+            if contents:  # files the agents did not record (a node lost before it hashed them): their CRCs
+                problems += crc_problems(info, skip=set(recorded))
             checked[info.tag] = f"manifest ({len(recorded)} files, {'hashes' if contents else 'sizes'})"
         elif not recorded and contents:
             problems += crc_problems(info)

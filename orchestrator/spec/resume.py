@@ -68,9 +68,13 @@ class ResumeOptions(BaseModel):
     def _args(cls, v: list[str] | None) -> list[str] | None:
         for arg in v or []:
             try:
-                names = [name for _, name, _, _ in string.Formatter().parse(arg) if name is not None]
+                fields = [(name, spec, conv) for _, name, spec, conv in string.Formatter().parse(arg) if name is not None]
             except ValueError as err:
                 raise ValueError(f"{arg!r} is not a valid template ({err}); write {{{{ and }}}} for braces") from None
+            if any(spec or conv for _, spec, conv in fields):
+                raise ValueError(f"{arg!r}: a placeholder takes no conversion or format (write {{checkpoint}}, not "
+                                 "{checkpoint!r} or {step:d})")
+            names = [name for name, _, _ in fields]
             unknown = [n for n in names if n not in PLACEHOLDERS]
             if unknown:
                 raise ValueError(f"{arg!r} names {{{unknown[0]}}}; the placeholders are "

@@ -36,7 +36,7 @@ from .ports import PortLease
 from .messages import rank_log_tail
 from .prepare import prepare_plan, resume_dir_of
 from .restarts import Restarts
-from .resume import check_fresh_start, check_world, convert, fresh_start_note, crashed_loading, find_start, rewrite_latest, tell_script
+from .resume import check_fresh_start, check_reachable, check_world, convert, fresh_start_note, crashed_loading, find_start, rewrite_latest, tell_script
 from .settings import Timings
 
 __all__ = ["Controller", "default_state_dir", "new_job_id"]
@@ -182,6 +182,7 @@ class Controller:
         info = choice.chosen if choice else None
         skipped = choice.skipped if choice else []
         if choice is not None and info is None:
+            check_reachable(self.store, job.id, choice)
             check_fresh_start(job.id, [a.resume_tag for a in self.store.attempts(job.id) if a.resume_tag], spec,
                               choice.dir, skipped, automatic, ever_saved=bool(choice.damaged))
         args, env = tell_script(spec, choice) if choice else ((), {})
@@ -246,6 +247,7 @@ class Controller:
         fresh = None
         if choice.chosen is None:
             try:
+                check_reachable(self.store, job.id, choice)
                 check_fresh_start(job.id, [a.resume_tag for a in self.store.attempts(job.id) if a.resume_tag], spec,
                                   choice.dir, choice.skipped, False, ever_saved=bool(choice.damaged))
                 fresh = "no checkpoint was ever saved: the attempt starts from step 0"

@@ -14,7 +14,7 @@ from typing import Any
 from ..checkpoints import MARKER, CheckpointInfo, UniversalCheckpoint, convert_to_universal
 from ..checkpoints.deepspeed_layout import read_latest
 from ..checkpoints.detect import detect_format
-from ..checkpoints.formats import point_latest
+from ..checkpoints.formats import number_in, point_latest
 from ..checkpoints.integrity import Choice, choose
 from ..errors import CheckpointError
 from ..spec import JobSpec
@@ -22,7 +22,7 @@ from ..store import Store
 from .prepare import rank_python, resume_dir_of
 from .settings import env_seconds
 
-__all__ = ["check_fresh_start", "check_world", "fresh_start_note", "convert", "find_start", "tell_script", "LOAD_FRAMES",
+__all__ = ["check_fresh_start", "check_reachable", "check_world", "fresh_start_note", "convert", "find_start", "tell_script", "LOAD_FRAMES",
            "crashed_loading"]
 
 
@@ -59,6 +59,33 @@ def fresh_start_note(spec: JobSpec, state_dir: str | Path, job_id: str) -> str |
     return (f"--fresh: DeepSpeed's {Path(root) / 'latest'} names {latest}; a script that calls "
             f"engine.load_checkpoint({root}) loads that tag anyway, whatever orch records (a start from step 0). "
             f"To really start over, remove the script's load argument or move {Path(root) / 'latest'} away")
+
+
+def check_reachable(store: Store, job_id: str, choice: Choice) -> None:
+    """With no checkpoint to start from, refuse to call a job "never saved" when its agents recorded
+    checkpoints in a directory this host cannot see now (storage not mounted, permissions).
+
+    Raises:
+        CheckpointError: the directory is missing or unreadable, or holds none of the tags recorded there.
+    """
+    if choice.chosen is not None:
+        return
+    recorded = store.manifest_tags(job_id, choice.dir)
+    if not recorded:
+        return
+    try:
+        entries = os.listdir(choice.dir)
+        why = None if choice.checkpoints else f"holds none of them now ({len(entries)} other entries)"
+    except FileNotFoundError:
+        why = "is missing on this host"
+    except OSError as err:
+        why = f"cannot be read ({err.strerror or err})"
+    if why is None:
+        return
+    newest = max(recorded, key=lambda t: (number_in(t), t))
+    raise CheckpointError(f"Job {job_id}'s agents recorded {len(recorded)} checkpoint(s) in {choice.dir} (newest "
+                          f"{newest}), but the directory {why}: is its storage mounted here, and readable? Nothing "
+                          f"was started. Once it is back: orch resume {job_id}")
 
 
 def check_world(info: CheckpointInfo, world_size: int) -> None:

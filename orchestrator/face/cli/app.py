@@ -77,19 +77,23 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("job", help="job id (or a unique prefix)")
     sp.add_argument("--wait", type=seconds_arg, default=0, metavar="SECONDS",
                     help="wait up to SECONDS for every process to be gone")
-    sp = add("resume", cmd_resume, "Start a new attempt of a FAILED or CANCELLED job from its last complete "
-             "checkpoint (in the foreground unless a server runs it).")
+    sp = add("resume", cmd_resume, "Start a new attempt of a FAILED or CANCELLED job from its last complete, "
+             "undamaged checkpoint, whatever wrote it (orch's contract, DeepSpeed's save_checkpoint, the HF Trainer, "
+             "Accelerate's save_state: resume.format), in the foreground unless a server runs it. Each newer "
+             "checkpoint skipped is named with why (a file missing, truncated or changed since its save, a crash on "
+             "load); the script is told which one to load (resume.args, or DeepSpeed's latest pointed at it).")
     sp.add_argument("job", help="job id (or a unique prefix)")
     sp.add_argument("--exclude", type=host_list, action="extend", default=[], metavar="HOST[,HOST...]",
                     help="leave these hostfile hosts out from now on (e.g. a lost node), so spare hosts take "
                     "their place; may be repeated")
     sp.add_argument("--fresh", action="store_true",
                     help="start from step 0, whatever checkpoints there are (without it, a job that had "
-                    "checkpoints but has no complete one is refused)")
+                    "checkpoints but has no complete one is refused); a script that loads DeepSpeed's latest itself "
+                    "still loads it (orch warns)")
     sp.add_argument("--dry-run", action="store_true",
                     help="start nothing: list the checkpoints found, check the newest complete one against its "
                     "manifest (hashing its files), and say which one a resume would start from and how the script "
-                    "would be told")
+                    "would be told; exit status 2 if a resume would be refused")
     sp = add("export", cmd_export, "Write a job's checkpoint as one consolidated fp32 state_dict file (DeepSpeed's "
              "zero_to_fp32), loadable with torch.load + load_state_dict without DeepSpeed.")
     sp.add_argument("job", help="job id (or a unique prefix)")

@@ -126,12 +126,13 @@ def _resume_preview(args: argparse.Namespace, url: str | None) -> int:
             preview = controller.resume_preview(args.job)
         finally:
             controller.close(cancel=False)
+    code = 0 if preview["resume_tag"] or (preview.get("fresh_start") or "").startswith("no checkpoint was ever") else 2
     if args.output == "json":
         print_json(preview)
-        return 0
+        return code
     for line in resume_preview_lines(preview):
         console.print(line, markup=False, highlight=False)
-    return 0
+    return code
 
 
 def cmd_resume(args: argparse.Namespace) -> int:

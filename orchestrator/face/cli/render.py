@@ -113,7 +113,8 @@ def checkpoint_lines(view: dict | None) -> list[str]:
     for c in shown:
         step = f"step {c['step']}" if c.get("step", -1) >= 0 else "step ?"
         if c["tag"] == chosen:
-            state = "complete, next resume starts here"
+            state = ("complete, the next resume's" + (" (by sizes; orch resume --dry-run also hashes it)"
+                                                      if "sizes" in (c.get("checked") or "") else ""))
         elif c["complete"]:
             state = "complete"
         else:
