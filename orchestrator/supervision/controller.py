@@ -23,6 +23,7 @@ import psutil
 from agents.ranks import kill_marked
 
 from ..checkpoints import needs_universal
+from ..checkpoints.integrity import Choice
 from ..checkpoints.deepspeed_layout import read_latest
 from ..errors import CheckpointError, OrchError, StateError
 from ..observe import ControllerMetrics, TargetsWriter, default_targets_dir
@@ -178,13 +179,9 @@ class Controller:
         if exclude_hosts:
             spec = spec.model_copy(update={"exclude_hosts": list(dict.fromkeys([*spec.exclude_hosts, *exclude_hosts]))})
         number = job.attempt + 1
-        choice = None if fresh else find_start(self.store, job.id, spec, self.state_dir)
+        choice = None if fresh else self._start_point(job, spec, automatic)
         info = choice.chosen if choice else None
         skipped = choice.skipped if choice else []
-        if choice is not None and info is None:
-            check_reachable(self.store, job.id, choice)
-            check_fresh_start(job.id, [a.resume_tag for a in self.store.attempts(job.id) if a.resume_tag], spec,
-                              choice.dir, skipped, automatic, ever_saved=bool(choice.damaged))
         args, env = tell_script(spec, choice) if choice else ((), {})
         plan, lease = prepare_plan(spec, self.state_dir, job.id, attempt=number,
                                    resume_tag=info.tag if info else None, resume_args=args, resume_env=env)
@@ -222,6 +219,20 @@ class Controller:
             raise
         self._start_attempt(spec, plan, lease, provisioner)
         return self.store.get_job(job.id)
+
+    def _start_point(self, job: JobRecord, spec: JobSpec, automatic: bool) -> Choice:
+        """The checkpoint a resume starts from (:func:`~.resume.find_start`); with none, whether starting from
+        step 0 is allowed.
+
+        Raises:
+            CheckpointError: no checkpoint, and the job had checkpoints (or their directory is gone).
+        """
+        choice = find_start(self.store, job.id, spec, self.state_dir)
+        if choice.chosen is None:
+            check_reachable(self.store, job.id, choice)
+            check_fresh_start(job.id, [a.resume_tag for a in self.store.attempts(job.id) if a.resume_tag], spec,
+                              choice.dir, choice.skipped, automatic, ever_saved=bool(choice.damaged))
+        return choice
 
     def resume_preview(self, job_id: str) -> dict[str, Any]:
         """What :meth:`resume` would start from, starting nothing (``orch resume --dry-run``): every
