@@ -18,6 +18,7 @@ tag bad so that the next automatic restart skips it.
 
 from __future__ import annotations
 
+import json
 import shutil
 import sys
 from pathlib import Path
@@ -108,6 +109,11 @@ def test_deepspeed_script_resumes_from_its_newest_undamaged_tag(orch, write_spec
                            "latest": _tree(ckpt)["latest"]}  # --dry-run changed nothing
     shutil.rmtree(half)
     restore()
+
+    r = orch("resume", job, "--dry-run", "--exclude", "node-1")  # no spare: one rank cannot load two partitions
+    assert r.returncode == 2 and "but a resume would be refused:" in r.stdout, r.stdout + r.stderr
+    refused = json.loads(orch("resume", job, "--dry-run", "--exclude", "node-1", "--output", "json").stdout)["refused"]
+    assert "saved by 2 data-parallel ranks, but this attempt has 1" in refused, refused
 
     helpers_resume.flip_tensor_byte(model)  # the real resume must fall back to the tag before
     r = orch("resume", job, timeout=300)

@@ -101,8 +101,8 @@ def _job_routes(controller: Controller) -> APIRouter:
         return job_detail(store, job.id)
 
     @api.get("/{job_id}/resume-preview")
-    def resume_preview(job_id: str) -> dict[str, Any]:
-        return controller.resume_preview(job_id)
+    def resume_preview(job_id: str, exclude: str = "") -> dict[str, Any]:
+        return controller.resume_preview(job_id, exclude_hosts=[h for h in exclude.split(",") if h])
 
     @api.get("/{job_id}/events")
     def events(job_id: str, since: int = 0) -> list[dict[str, Any]]:

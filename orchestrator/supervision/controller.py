@@ -234,23 +234,39 @@ class Controller:
                               choice.dir, choice.skipped, automatic, ever_saved=bool(choice.damaged))
         return choice
 
-    def resume_preview(self, job_id: str) -> dict[str, Any]:
+    def resume_preview(self, job_id: str, exclude_hosts: list[str] | None = None) -> dict[str, Any]:
         """What :meth:`resume` would start from, starting nothing (``orch resume --dry-run``): every
         checkpoint found (:class:`~orchestrator.checkpoints.integrity.Choice`, contents hashed against the
         manifest), the arguments and variables the script would get, and whether DeepSpeed's ``latest``
         would be rewritten. Any job can be previewed, whatever its state.
 
+        Args:
+            job_id: the job (or a unique prefix).
+            exclude_hosts: as for :meth:`resume` (the new attempt's plan is made without them).
+
         Returns:
             ``{"job": id, "state", "checkpoints": Choice.to_dict(), "resume_tag", "resume_args",
-            "resume_env", "latest": {"from", "to"} or None, "fresh_start": why or None}``.
+            "resume_env", "latest": {"from", "to"} or None, "fresh_start": why or None, "world_size": the new
+            attempt's or None, "refused": why the resume would be refused (its plan, the world size) or None}``.
 
         Raises:
             NotFoundError: no such job.
         """
         job = self.store.get_job(job_id)
         spec = spec_from_dict(job.spec, source=f"job {job.id}")
+        if exclude_hosts:
+            spec = spec.model_copy(update={"exclude_hosts": list(dict.fromkeys([*spec.exclude_hosts, *exclude_hosts]))})
         choice = find_start(self.store, job.id, spec, self.state_dir)
         args, env = tell_script(spec, choice)
+        refused, world = None, None
+        try:  # the new attempt's plan, looked at only (no port held, nothing joined)
+            plan, _ = prepare_plan(spec, self.state_dir, job.id, attempt=job.attempt + 1, hold_port=False,
+                                   resume_tag=choice.chosen.tag if choice.chosen else None)
+            world = plan.world_size
+            if choice.chosen is not None and choice.chosen.format != "orch":
+                check_world(choice.chosen, world)
+        except OrchError as err:
+            refused = str(err)
         latest = None
         if choice.chosen is not None and spec.resume.rewrites_latest(choice.format):
             before = read_latest(choice.dir)
@@ -266,7 +282,7 @@ class Controller:
                 fresh = str(err)
         return {"job": job.id, "state": job.state.value, "checkpoints": choice.to_dict(),
                 "resume_tag": choice.chosen.tag if choice.chosen else None, "resume_args": list(args),
-                "resume_env": env, "latest": latest, "fresh_start": fresh}
+                "resume_env": env, "latest": latest, "fresh_start": fresh, "world_size": world, "refused": refused}
 
     def _check_resumable(self, job: JobRecord) -> None:
         """A job can be resumed once it is FAILED or CANCELLED and its last attempt has stopped (waited

@@ -110,9 +110,10 @@ class HttpBackend:
         return self._call("POST", f"/api/jobs/{job_id}/resume", json={"exclude": exclude, "fresh": fresh},
                           timeout=None)
 
-    def resume_preview(self, job_id: str) -> dict:
+    def resume_preview(self, job_id: str, exclude: list[str]) -> dict:
         # no time limit: hashing a large checkpoint against its manifest takes a while
-        return self._call("GET", f"/api/jobs/{job_id}/resume-preview", timeout=None)
+        return self._call("GET", f"/api/jobs/{job_id}/resume-preview", params={"exclude": ",".join(exclude)},
+                          timeout=None)
 
     def submit(self, spec: dict, source: str) -> dict:
         return self._call("POST", "/api/jobs", json={"spec": spec, "source": source})

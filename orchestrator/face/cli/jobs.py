@@ -117,16 +117,17 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def _resume_preview(args: argparse.Namespace, url: str | None) -> int:
     if url:
-        preview = HttpBackend(url).resume_preview(args.job)
+        preview = HttpBackend(url).resume_preview(args.job, args.exclude)
     else:
         from ...supervision import Controller
         StoreBackend(state_dir_of(args)).store  # noqa: B018 - a clear error when there are no jobs at all
         controller = Controller(state_dir_of(args))
         try:
-            preview = controller.resume_preview(args.job)
+            preview = controller.resume_preview(args.job, exclude_hosts=args.exclude)
         finally:
             controller.close(cancel=False)
-    code = 0 if preview["resume_tag"] or (preview.get("fresh_start") or "").startswith("no checkpoint was ever") else 2
+    code = 0 if not preview.get("refused") and (preview["resume_tag"] or (preview.get("fresh_start") or "")
+                                                .startswith("no checkpoint was ever")) else 2
     if args.output == "json":
         print_json(preview)
         return code

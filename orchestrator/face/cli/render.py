@@ -143,4 +143,8 @@ def resume_preview_lines(preview: dict) -> list[str]:
                          f"(it names {preview['latest']['from'] or 'nothing'})")
     else:
         lines.append(f"a resume finds no checkpoint to start from: {preview.get('fresh_start')}")
+    if preview.get("refused"):
+        lines.append(f"but a resume would be refused: {preview['refused']}")
+    elif preview.get("world_size"):
+        lines.append(f"on {preview['world_size']} rank(s)")
     return lines
