@@ -128,6 +128,10 @@ def test_hf_trainer_checkpoint_rules(tmp_path: Path) -> None:
     assert info.complete and info.step == 20 and info.dp_world_size == 2, info.problems
     (good / "rng_state_1.pth").unlink()
     assert fmt.inspect(good).problems == ("rng_state_1.pth is missing (the RNG state of process 1)",)
+    (good / "rng_state_1.pth").write_bytes((good / "rng_state_0.pth").read_bytes())
+    (good / "trainer_state.json").write_text("{not json")
+    (bad_state,) = fmt.inspect(good).problems  # named once, by its own rule
+    assert bad_state.startswith("trainer_state.json: not valid JSON"), bad_state
     half = hf_checkpoint(tmp_path, 30)
     (half / "trainer_state.json").unlink()  # the Trainer writes it last
     assert "trainer_state.json is missing" in fmt.inspect(half).problems[0]

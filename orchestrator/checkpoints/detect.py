@@ -49,7 +49,7 @@ def detect_format(root: str | Path) -> tuple[str, str]:
     for p in children:
         if re.fullmatch(r"checkpoint-\d+", p.name):
             return "hf_trainer", f"{p.name} (HF Trainer's checkpoint-<step>)"
-    if os.path.exists(root / "random_states_0.pkl"):
+    if AccelerateFormat.is_state_dir(root):
         return "accelerate", f"{root.name}/random_states_0.pkl (Accelerate's save_state)"
     for p in children:
         if re.fullmatch(r"checkpoint_\d+", p.name):

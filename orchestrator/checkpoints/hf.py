@@ -25,7 +25,7 @@ import os
 import re
 from pathlib import Path
 
-from .deepspeed_layout import read_latest, tag_problems
+from .deepspeed_layout import DeepSpeedLayout, read_latest, tag_problems
 from .formats import CheckpointFormat, number_in
 from .headers import file_problem, read_torch_pickle
 from .tags import CheckpointInfo
@@ -82,15 +82,16 @@ def _files_problems(d: Path, skip: set[str] = frozenset()) -> list[str]:
     return problems
 
 
-def _deepspeed_inside(d: Path, tag: str | None) -> tuple[object | None, list[str], str | None]:
-    """The DeepSpeed tag saved inside a checkpoint directory (``latest`` names it), checked."""
-    tag = tag or read_latest(d)
+def _deepspeed_inside(d: Path) -> tuple[DeepSpeedLayout | None, list[str]]:
+    """The DeepSpeed tag saved inside a checkpoint directory (``latest`` names it), checked: its layout
+    (None when unreadable) and its problems, each prefixed with the tag."""
+    tag = read_latest(d)
     if tag is None:
-        return None, ["DeepSpeed's latest is missing (it names the tag saved inside)"], None
+        return None, ["DeepSpeed's latest is missing (it names the tag saved inside)"]
     if not (d / tag).is_dir():
-        return None, [f"DeepSpeed's latest names {tag}, which is missing"], tag
+        return None, [f"DeepSpeed's latest names {tag}, which is missing"]
     layout, problems = tag_problems(d / tag)
-    return layout, [f"{tag}/{p}" for p in problems], tag
+    return layout, [f"{tag}/{p}" for p in problems]
 
 
 class HFTrainerFormat(CheckpointFormat):
@@ -107,15 +108,17 @@ class HFTrainerFormat(CheckpointFormat):
         problems, step = [], number_in(tag_dir.name)
         if "trainer_state.json" not in names:
             problems.append("trainer_state.json is missing (the Trainer writes it last: the save did not finish)")
+        elif problem := file_problem(tag_dir / "trainer_state.json"):  # not a regular file, not JSON, ...
+            problems.append(f"trainer_state.json: {problem}")
         else:
             try:
                 step = int(json.loads((tag_dir / "trainer_state.json").read_text())["global_step"])
             except (OSError, ValueError, KeyError, TypeError) as err:
-                problems.append(f"trainer_state.json is unreadable ({err})")
+                problems.append(f"trainer_state.json has no global_step ({err})")
         deepspeed = "latest" in names or any(re.fullmatch(r"global_step\d+", n) for n in names)
         layout = None
         if deepspeed:
-            layout, ds_problems, _ = _deepspeed_inside(tag_dir, None)
+            layout, ds_problems = _deepspeed_inside(tag_dir)
             problems += ds_problems
         elif "optimizer.pt" not in names:
             problems.append("optimizer.pt is missing (the optimizer's state)")
@@ -124,7 +127,7 @@ class HFTrainerFormat(CheckpointFormat):
         if "rng_state.pth" not in names or dp not in (None, 1):
             _, rng = per_process_problems(names, r"rng_state_(\d+)\.pth", "the RNG state", dp if dp != 1 else None)
             problems += rng
-        problems += _files_problems(tag_dir)
+        problems += _files_problems(tag_dir, skip={"trainer_state.json"})  # checked above
         return CheckpointInfo(tag_dir.name, str(tag_dir), step, dp, getattr(layout, "zero_stage", None), dp,
                               tuple(problems), self.name)
 
@@ -139,15 +142,19 @@ class AccelerateFormat(CheckpointFormat):
     def is_tag(self, path: Path) -> bool:
         return True
 
+    @staticmethod
+    def is_state_dir(root: str | Path) -> bool:
+        """Whether ``root`` is itself one ``save_state`` directory (``resume.dir`` naming it), not their parent."""
+        return os.path.exists(Path(root) / "random_states_0.pkl")
+
     def scan(self, root: str | Path) -> list[CheckpointInfo]:
-        root = Path(root)
-        if (root / "random_states_0.pkl").exists():  # resume.dir is one save_state directory
-            return [self.inspect(root)]
+        if self.is_state_dir(root):
+            return [self.inspect(Path(root))]
         return super().scan(root)
 
     def watch_dir(self, root: str | Path) -> tuple[str, str]:
         root = Path(root)
-        if (root / "random_states_0.pkl").exists():
+        if self.is_state_dir(root):
             return str(root.parent), re.escape(root.name)
         return str(root), self.tag_pattern
 
@@ -157,7 +164,7 @@ class AccelerateFormat(CheckpointFormat):
         deepspeed = (tag_dir / "pytorch_model").is_dir() or "latest" in names
         layout = None
         if deepspeed:
-            layout, problems, _ = _deepspeed_inside(tag_dir, None)
+            layout, problems = _deepspeed_inside(tag_dir)
         else:
             problems += _weights_problems(tag_dir, names, required=True)
             if "optimizer.bin" not in names:

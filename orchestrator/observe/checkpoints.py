@@ -10,10 +10,10 @@ import threading
 import time
 from typing import Any
 
-from ..checkpoints.integrity import choose
+from ..checkpoints.integrity import Choice, choose
 from ..store import AttemptRecord, JobRecord, Store
 
-__all__ = ["checkpoints_view", "resume_dir", "CACHE_S"]
+__all__ = ["checkpoints_view", "job_choice", "resume_dir", "CACHE_S"]
 
 #: Seconds a directory's view is reused (the dashboard polls every second).
 CACHE_S = 5.0
@@ -27,6 +27,17 @@ def resume_dir(job: JobRecord, attempt: AttemptRecord | None) -> str | None:
     if attempt is None:
         return None
     return attempt.plan.get("resume_dir") or attempt.plan.get("checkpoint_dir")
+
+
+def job_choice(store: Store, job_id: str, root: str, fmt: str, contents: bool) -> Choice:
+    """:func:`orchestrator.checkpoints.integrity.choose` over ``root`` with the job's recorded manifests and
+    bad tags: what ``orch status`` shows (``contents`` False) and what a resume starts from (True).
+
+    Raises:
+        ValueError: an unknown format name.
+    """
+    return choose(root, fmt, manifest=lambda tag: store.checkpoint_manifest(job_id, root, tag),
+                  bad=store.bad_checkpoints(job_id, root), contents=contents)
 
 
 def checkpoints_view(store: Store, job: JobRecord, attempt: AttemptRecord | None) -> dict[str, Any] | None:
@@ -45,8 +56,7 @@ def checkpoints_view(store: Store, job: JobRecord, attempt: AttemptRecord | None
             return hit[1]
     fmt = (job.spec.get("resume") or {}).get("format", "auto")
     try:
-        choice = choose(root, fmt, manifest=lambda tag: store.checkpoint_manifest(job.id, root, tag),
-                        bad=store.bad_checkpoints(job.id, root), contents=False)
+        choice = job_choice(store, job.id, root, fmt, contents=False)
     except ValueError as err:
         return {"dir": root, "error": str(err), "checkpoints": [], "next_resume": None}
     recorded = store.manifest_tags(job.id, root)

@@ -15,8 +15,9 @@ from ..checkpoints import MARKER, CheckpointInfo, UniversalCheckpoint, convert_t
 from ..checkpoints.deepspeed_layout import read_latest
 from ..checkpoints.detect import detect_format
 from ..checkpoints.formats import number_in, point_latest
-from ..checkpoints.integrity import Choice, choose
+from ..checkpoints.integrity import Choice
 from ..errors import CheckpointError
+from ..observe.checkpoints import job_choice
 from ..spec import JobSpec
 from ..store import Store
 from .prepare import rank_python, resume_dir_of
@@ -28,7 +29,7 @@ __all__ = ["check_fresh_start", "check_reachable", "check_world", "fresh_start_n
 
 def find_start(store: Store, job_id: str, spec: JobSpec, state_dir: str | Path, contents: bool = True) -> Choice:
     """The checkpoint the job's next attempt would start from, every checkpoint found and why the newer ones
-    were skipped (:func:`orchestrator.checkpoints.integrity.choose` with the job's manifests and bad tags).
+    were skipped (:func:`orchestrator.observe.checkpoints.job_choice` over the spec's resume directory).
 
     Args:
         store: the job's store (manifests, bad tags).
@@ -39,10 +40,8 @@ def find_start(store: Store, job_id: str, spec: JobSpec, state_dir: str | Path, 
     Raises:
         CheckpointError: the spec names an unknown format (cannot happen for a validated spec).
     """
-    root = resume_dir_of(spec, state_dir, job_id)
     try:
-        return choose(root, spec.resume.format, manifest=lambda tag: store.checkpoint_manifest(job_id, root, tag),
-                      bad=store.bad_checkpoints(job_id, root), contents=contents)
+        return job_choice(store, job_id, resume_dir_of(spec, state_dir, job_id), spec.resume.format, contents)
     except ValueError as err:
         raise CheckpointError(f"Job {job_id}: {err}.") from err
 
