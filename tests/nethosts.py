@@ -9,6 +9,7 @@
         net.cut_link(1)      # eth0 down inside the namespace: silence, no reset
 
     TestNetwork(3, private_mounts={2: ["/tmp/x"]})   # host 2 sees its own empty /tmp/x
+    TestNetwork(3, own_hostnames=True)                # `hostname` on host i is its name
 
 Layout of one network (k-th network of process ``pid``; 36-base ``pid36`` keeps link names
 within the kernel's 15 characters):
@@ -20,6 +21,9 @@ within the kernel's 15 characters):
   name ``<prefix>worker-<i>`` (default prefix ``on<pid>-<k>-``) in /etc/hosts;
 * ``sshd -D`` per namespace (started through ``ip netns exec``), keys and configs in a
   0700 temp dir ``orchnet-<pid>-<k>-*``;
+* with ``own_hostnames=True``, every sshd runs in a UTS namespace of its own whose hostname is
+  the host's name (by default all hosts share this machine's hostname, as namespaces do);
+  :meth:`TestNetwork.enter_argv` enters both namespaces of a host;
 * with ``private_mounts={i: [dir, ...]}``, host i's sshd runs in a mount namespace of its
   own with an empty tmpfs over each of those (existing) directories: host i and every
   session into it see its own copy of them, no other host sees it, and it vanishes with
@@ -391,7 +395,7 @@ class TestNetwork:
 
     def __init__(self, n_hosts: int, prefix: str | None = None, *, port: int = 22,
                  startup_timeout: float = 15.0, sshd_options: Sequence[str] = (),
-                 private_mounts: Mapping[int, Sequence[str]] | None = None) -> None:
+                 private_mounts: Mapping[int, Sequence[str]] | None = None, own_hostnames: bool = False) -> None:
         if not 1 <= n_hosts <= MAX_HOSTS:
             raise ValueError(f"n_hosts must be 1..{MAX_HOSTS}, got {n_hosts}")
         self.n_hosts = n_hosts
@@ -401,6 +405,7 @@ class TestNetwork:
         self.startup_timeout = startup_timeout
         self.sshd_options = list(sshd_options)
         self.private_mounts = {int(i): [str(d) for d in dirs] for i, dirs in (private_mounts or {}).items()}
+        self.own_hostnames = own_hostnames
         self.pid = os.getpid()
         self.k: int | None = None
         self.hosts: list[Host] = []
@@ -658,6 +663,8 @@ class TestNetwork:
 
     def _spawn_sshd(self, h: Host) -> None:
         argv = ["ip", "netns", "exec", h.ns]
+        if self.own_hostnames:  # its own UTS namespace: `hostname` there is the host's name
+            argv += ["unshare", "--uts", "sh", "-c", f'hostname {shlex.quote(h.name)} && exec "$@"', "sh"]
         mounts = self.private_mounts.get(h.index) or []
         if mounts:  # its own mount namespace (slave: the root's mounts still show), tmpfs over each dir
             script = " && ".join(f"mount -t tmpfs {FAMILY}-private {shlex.quote(d)}" for d in mounts)
@@ -720,6 +727,15 @@ class TestNetwork:
         )
         path.write_text(text)
         return path
+
+    def enter_argv(self, i: int | str) -> list[str]:
+        """``nsenter`` prefix that runs a command on host i as a local login there would: in its
+        network namespace and, with ``own_hostnames``, its UTS namespace (its own hostname)."""
+        h = self.host(i)
+        argv = ["nsenter", f"--net={NETNS_DIR / h.ns}"]
+        if self.own_hostnames and h.sshd is not None:
+            argv.append(f"--uts=/proc/{h.sshd.pid}/ns/uts")
+        return argv
 
     def ssh_argv(self, i: int | str, *command: str) -> list[str]:
         """``ssh`` command line that runs ``command`` on host i (OpenSSH client)."""

@@ -8,7 +8,8 @@ it writes ``$PROBE_OUT_DIR/rank<RANK>.json`` (``RANK`` from its environment; ``p
 ``RANK`` is unset) holding::
 
     {"argv": sys.argv, "orig_argv": sys.orig_argv, "executable": sys.executable,
-     "cwd": os.getcwd(), "pid": os.getpid(), "env": dict(os.environ), "pg": null | {...}}
+     "cwd": os.getcwd(), "pid": os.getpid(), "netns": "net:[<inode>]" (the host it ran on),
+     "env": dict(os.environ), "pg": null | {...}}
 
 ``env`` is captured first thing, before anything is imported that could change it. The probe
 takes *no* arguments of its own (everything after the script is whatever the launcher passed,
@@ -20,6 +21,11 @@ so the launchers' argv handling is seen unchanged); it is configured only by env
   ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``, and ``TORCHELASTIC_USE_AGENT_STORE``), all-reduce
   ``rank + 1`` and record ``{"rank", "world_size", "sum"}`` under ``"pg"``; proves rendezvous works.
 * ``PROBE_EXIT_CODE=N``: exit with status ``N`` after writing (default 0).
+* ``PROBE_DS_DISCOVERY=1``: first do what ``deepspeed.init_distributed()`` does when one of
+  RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT/LOCAL_RANK is missing: DeepSpeed's own
+  ``deepspeed.comm.comm.mpi_discovery`` (mpi4py; ``distributed_port`` from ``PROBE_DS_PORT``,
+  default 29500), and record those five as they are then under ``"derived"`` (also when nothing
+  was missing). The report is named by the derived RANK.
 
 As a module, :func:`compare_probe_outputs` compares the reports of two ways of starting the
 same job (the real tool vs. orch's agent), rank by rank; :func:`load_probe_outputs` reads a
@@ -107,6 +113,16 @@ def _join_process_group() -> dict:
         dist.destroy_process_group()
 
 
+DISCOVERED = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
+
+
+def _deepspeed_discovery() -> dict:
+    if not all(v in os.environ for v in DISCOVERED):  # comm.init_distributed's test
+        from deepspeed.comm.comm import mpi_discovery
+        mpi_discovery(distributed_port=int(os.environ.get("PROBE_DS_PORT", "29500")), verbose=False)
+    return {v: os.environ.get(v) for v in DISCOVERED}
+
+
 def main() -> int:
     """Write this process's report (see the module docstring); return the exit status."""
     out_dir = _ENV_AT_START.get("PROBE_OUT_DIR")
@@ -119,12 +135,15 @@ def main() -> int:
         "executable": sys.executable,
         "cwd": os.getcwd(),
         "pid": os.getpid(),
+        "netns": os.readlink("/proc/self/ns/net"),
         "env": _ENV_AT_START,
         "pg": None,
     }
+    if _ENV_AT_START.get("PROBE_DS_DISCOVERY") == "1":
+        report["derived"] = _deepspeed_discovery()
     if _ENV_AT_START.get("PROBE_INIT_PG") == "1":
         report["pg"] = _join_process_group()
-    name = f"rank{_ENV_AT_START['RANK']}" if "RANK" in _ENV_AT_START else f"pid{os.getpid()}"
+    name = f"rank{os.environ['RANK']}" if "RANK" in os.environ else f"pid{os.getpid()}"
     os.makedirs(out_dir, exist_ok=True)
     tmp = os.path.join(out_dir, f".{name}.json.tmp")
     with open(tmp, "w", encoding="utf-8") as f:

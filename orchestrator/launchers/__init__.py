@@ -7,6 +7,8 @@ Supported (``spec.launcher``, case-insensitive like DeepSpeed's ``runner.py``, w
   ``deepspeed.launcher.launch`` on every node (:mod:`.deepspeed`).
 * ``nossh``    — ``deepspeed --no_ssh --node_rank=<n>`` on every node (:mod:`.deepspeed`).
 * ``standard`` — ``torchrun`` with a static rendezvous on every node (:mod:`.torchrun`).
+* ``openmpi``, ``mpich``, ``impi``, ``mvapich`` — DeepSpeed's MPI runners: the ranks get what
+  that MPI's ``mpirun`` and DeepSpeed's discovery give them (:mod:`.mpi`).
 
 Every launcher object has ``name``, ``ranks(ctx, node_rank)``, ``real_commands(ctx)``,
 ``agent_store(ctx, node_rank)`` (the :class:`~.base.Launcher` protocol) and
@@ -29,6 +31,7 @@ from typing import Mapping
 from ..errors import LaunchError
 from .base import LaunchContext, Launcher, RankLaunch, RealCommand
 from .deepspeed import NOSSH, PDSH, DeepSpeedLauncher, pdsh_exports
+from .mpi import IMPI, MPICH, MVAPICH, OPENMPI, MPILauncher
 from .torchrun import STANDARD, TorchrunLauncher
 
 __all__ = [
@@ -42,13 +45,15 @@ __all__ = [
     "RealCommand",
     "DeepSpeedLauncher",
     "TorchrunLauncher",
+    "MPILauncher",
     "pdsh_exports",
 ]
 
 #: name -> launcher, for every launcher orch can run.
-LAUNCHERS: dict[str, Launcher] = {"pdsh": PDSH, "standard": STANDARD, "nossh": NOSSH}
+LAUNCHERS: dict[str, Launcher] = {"pdsh": PDSH, "standard": STANDARD, "nossh": NOSSH, "openmpi": OPENMPI,
+                                  "mpich": MPICH, "impi": IMPI, "mvapich": MVAPICH}
 #: DeepSpeed launchers (deepspeed/launcher/constants.py) that orch knows but cannot run yet.
-UNSUPPORTED_LAUNCHERS = ("openmpi", "mvapich", "mpich", "impi", "slurm")
+UNSUPPORTED_LAUNCHERS = ("slurm",)
 
 
 def get_launcher(name: str) -> Launcher:

@@ -48,6 +48,14 @@ class LaunchContext:
         num_nodes: DeepSpeed's ``--num_nodes`` (-1 if unset).
         num_gpus: DeepSpeed's ``--num_gpus`` (-1 if unset).
         ssh_port: ssh port for pdsh's real command, or None.
+        launcher_args: the launcher's own arguments (DeepSpeed's ``--launcher_args``, split), in
+            the real tool's command; the MPI launchers refuse those that place ranks.
+        hostfile_is_pool: the hostfile as written is exactly the pool (no filter, no excluded host),
+            so a real tool may be handed the file itself (Open MPI's ``-hostfile``).
+        accelerator: the nodes' DeepSpeed accelerator (``cuda``, ``cpu``, ...), for what a runner
+            exports only on some (MVAPICH's ``MV2_USE_CUDA``).
+        deepspeed_dir: the directory of the ``deepspeed`` package on the nodes ("" if unknown), for
+            the path of ``launcher/launcher_helper.py`` in MPICH's command.
     """
 
     world: tuple[tuple[str, tuple[int, ...]], ...]
@@ -70,6 +78,10 @@ class LaunchContext:
     num_nodes: int = -1
     num_gpus: int = -1
     ssh_port: int | None = None
+    launcher_args: tuple[str, ...] = ()
+    hostfile_is_pool: bool = False
+    accelerator: str = "cuda"
+    deepspeed_dir: str = ""
 
     @property
     def world_size(self) -> int:

@@ -19,6 +19,10 @@ from ..errors import PlanError
 from ..launchers import get_launcher
 from ..launchers.base import LaunchContext, RealCommand
 from ..launchers.deepspeed import pdsh_exports
+
+#: Launchers whose real command is built by DeepSpeed's runner.py multi-node path (which exports
+#: PYTHON*, MLFLOW*, MV2*, UCX*, the accelerator's prefixes and ``.deepspeed_env`` to every node).
+DEEPSPEED_RUNNERS = ("pdsh", "openmpi", "mpich", "impi", "mvapich", "slurm")
 from ..spec import JobSpec
 from .pool import ResourcePool
 
@@ -67,6 +71,11 @@ class PlanInputs:
             ``{"dir", "tag_pattern", "hash", "sample_above", "interval_s"}``; None: nothing.
         resume_dir: where the job's checkpoints are looked for (the spec's ``resume.dir``, ...); None:
             ``checkpoint_dir``.
+        hostfile_is_pool: the spec's hostfile as written is exactly the pool (no filter, no
+            excluded host): Open MPI's real command can be given the file itself.
+        accelerator: the nodes' DeepSpeed accelerator name (``DS_ACCELERATOR``, else cuda/cpu).
+        deepspeed_dir: the installed ``deepspeed`` package's directory ("" if none), for the path
+            of DeepSpeed's ``launcher_helper.py`` in MPICH's real command.
     """
 
     job_id: str
@@ -91,6 +100,9 @@ class PlanInputs:
     resume_env: Mapping[str, str] = field(default_factory=dict)
     checkpoint_watch: Mapping[str, Any] | None = None
     resume_dir: str | None = None
+    hostfile_is_pool: bool = False
+    accelerator: str = "cuda"
+    deepspeed_dir: str = ""
 
     @property
     def attempt_id(self) -> str:
@@ -227,6 +239,9 @@ class JobPlan:
     resume_universal_from: str | None = None
     deepspeed_autos: Mapping[str, Any] | None = None
     resume_dir: str | None = None
+    hostfile_is_pool: bool = False
+    accelerator: str = "cuda"
+    deepspeed_dir: str = ""
 
     @property
     def attempt_id(self) -> str:
@@ -281,12 +296,13 @@ def orch_env(spec: JobSpec, inputs: PlanInputs, node_rank: int, host: str) -> di
 
 
 def _launcher_exports(spec: JobSpec, inputs: PlanInputs, nodes: int) -> dict[str, str]:
-    """What DeepSpeed's pdsh runner exports to every node (nothing for one node or other launchers).
+    """What DeepSpeed's runner exports to every node on its multi-node path (pdsh and the MPI and Slurm
+    runners; nothing for one node, nossh or standard).
 
     The spec's own ``env`` is not among them: it is laid over them by :func:`make_plan`,
     byte for byte, whatever the launcher.
     """
-    if spec.launcher != "pdsh" or nodes < 2:  # runner.main(): only the multi-node path exports
+    if spec.launcher not in DEEPSPEED_RUNNERS or nodes < 2:  # runner.main(): only the multi-node path exports
         return {}
     exports = pdsh_exports(inputs.controller_env, inputs.controller_cwd, inputs.deepspeed_env_lines,
                            accelerator_exports=inputs.accelerator_exports)
@@ -375,7 +391,9 @@ def make_plan(spec: JobSpec, pool: ResourcePool, inputs: PlanInputs) -> JobPlan:
         args=tuple(args), workdir=spec.workdir, module=spec.module, no_python=spec.no_python,
         no_local_rank=spec.no_local_rank, exports=exports, run_id=inputs.job_id,
         restart_count=inputs.attempt - 1, max_restarts=spec.restart.max_restarts, hostfile=spec.hostfile, include=spec.include,
-        exclude=spec.exclude, num_nodes=spec.num_nodes, num_gpus=spec.num_gpus)
+        exclude=spec.exclude, num_nodes=spec.num_nodes, num_gpus=spec.num_gpus,
+        launcher_args=tuple(spec.launcher_args), hostfile_is_pool=inputs.hostfile_is_pool,
+        accelerator=inputs.accelerator, deepspeed_dir=inputs.deepspeed_dir)
     log_dir = os.path.join(inputs.run_dir, "logs")
     metrics_dir = os.path.join(inputs.node_metrics_dir, inputs.attempt_id)
     ds_config, monitor_dir = _with_monitor(inputs.deepspeed_config, metrics_dir)

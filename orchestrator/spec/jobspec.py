@@ -12,6 +12,7 @@ from __future__ import annotations
 import fnmatch
 import os
 import re
+import shlex
 import shutil
 from pathlib import Path
 from typing import Annotated, Any, Literal, Mapping
@@ -164,6 +165,9 @@ class JobSpec(BaseModel):
     num_gpus: int = Field(-1, ge=-1, description="Use slots 0..N-1 on each host; -1: all.")
     provisioner: Literal["local", "ssh", "ray"] = "local"
     launcher: Literal["pdsh", "standard", "nossh", "openmpi", "mvapich", "mpich", "impi", "slurm"] = "pdsh"
+    launcher_args: list[str] = Field(default_factory=list, description="The launcher's own arguments "
+                                     "(DeepSpeed's --launcher_args): a string, split as a shell would "
+                                     "(shlex), or a list; in the real command orch plan shows and runs.")
     master_addr: str | None = None
     master_port: int | Literal["auto"] = "auto"
     env: dict[str, str] = Field(default_factory=dict)
@@ -246,6 +250,19 @@ class JobSpec(BaseModel):
             problem = env_pattern_problem(pattern)
             if problem:
                 raise ValueError(problem)
+        return v
+
+    @field_validator("launcher_args", mode="before")
+    @classmethod
+    def _launcher_args(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            try:
+                return shlex.split(v)
+            except ValueError as err:  # shlex: "No closing quotation", "No escaped character"
+                raise ValueError(f"cannot split {v!r} as a shell would ({err}); check its quotes, or give "
+                                 "a list of arguments") from None
+        if isinstance(v, (list, tuple)):
+            return [_scalar_to_str(x) for x in v]
         return v
 
     @field_validator("args", mode="before")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import importlib.util
 import os
 import shutil
 import sys
@@ -81,11 +82,30 @@ def _deepspeed_env_lines(workdir: str) -> tuple[str, ...]:
     return tuple(lines)
 
 
+def _accelerator() -> str:
+    """DeepSpeed's accelerator name without importing DeepSpeed: ``DS_ACCELERATOR``, else CUDA when
+    an NVIDIA device is present, else CPU."""
+    return os.environ.get("DS_ACCELERATOR") or ("cuda" if os.path.exists("/dev/nvidiactl") else "cpu")
+
+
 def _accelerator_exports() -> tuple[str, ...]:
-    """``get_accelerator().export_envs()`` without importing DeepSpeed: by ``DS_ACCELERATOR``,
-    else CUDA when an NVIDIA device is present, else CPU."""
-    name = os.environ.get("DS_ACCELERATOR") or ("cuda" if os.path.exists("/dev/nvidiactl") else "cpu")
-    return tuple(ACCELERATOR_EXPORT_PREFIXES.get(name, ()))
+    """``get_accelerator().export_envs()`` without importing DeepSpeed (see :func:`_accelerator`)."""
+    return tuple(ACCELERATOR_EXPORT_PREFIXES.get(_accelerator(), ()))
+
+
+def _deepspeed_dir() -> str:
+    """The installed ``deepspeed`` package's directory, found without importing it ("" if none)."""
+    try:
+        found = importlib.util.find_spec("deepspeed")
+    except (ImportError, ValueError):
+        return ""
+    return os.path.dirname(found.origin) if found and found.origin else ""
+
+
+def _hostfile_is_pool(spec: JobSpec) -> bool:
+    """The spec's hostfile as written is the pool: nothing filters or excludes any of it."""
+    return bool(spec.hostfile) and not (spec.include or spec.exclude or spec.exclude_hosts) \
+        and spec.num_nodes == -1 and spec.num_gpus == -1
 
 
 def rank_python(spec: JobSpec) -> str:
@@ -145,6 +165,7 @@ def prepare_plan(spec: JobSpec, state_dir: str | Path, job_id: str, *, attempt: 
             controller_env=dict(os.environ), controller_cwd=spec.workdir,
             deepspeed_env_lines=_deepspeed_env_lines(spec.workdir),
             deepspeed_config=job_ds.config, accelerator_exports=_accelerator_exports(),
+            accelerator=_accelerator(), deepspeed_dir=_deepspeed_dir(), hostfile_is_pool=_hostfile_is_pool(spec),
             accelerate_env_defaults=job_ds.env_defaults(),
             config_warnings=tuple(job_ds.warnings) + provisioner.plan_notes(),
             resume_args=tuple(resume_args), resume_env=dict(resume_env or {}),

@@ -1,0 +1,339 @@
+"""DeepSpeed's MPI launchers — ``openmpi``, ``mpich``, ``impi``, ``mvapich`` — as pure functions.
+
+Read from DeepSpeed 0.19.8 (``launcher/multinode_runner.py`` ``OpenMPIRunner``, ``MPICHRunner``,
+``IMPIRunner``, ``MVAPICHRunner``; ``launcher/launcher_helper.py``; ``comm/comm.py``
+``init_distributed``/``mpi_discovery``) and checked against the real Open MPI 4.1 ``mpirun`` and
+MPICH 4.0 ``mpiexec.hydra`` (tests/test_launchers_mpi_real.py). Intel MPI and MVAPICH are not
+packaged by Debian: their rows are DeepSpeed's runner and the tools' documentation, unverified.
+
+What a rank of node ``n`` sees (``W`` ranks in all, ``S`` on its node, local rank ``l``, global
+rank ``r``; ranks are numbered node by node, slot by slot, as ``mpirun -n W`` over a hostfile
+with ``slots=`` and Hydra's ``-ppn`` place them)::
+
+    openmpi  OMPI_COMM_WORLD_SIZE=W OMPI_COMM_WORLD_RANK=r OMPI_COMM_WORLD_LOCAL_RANK=l
+             OMPI_COMM_WORLD_LOCAL_SIZE=S OMPI_COMM_WORLD_NODE_RANK=l OMPI_UNIVERSE_SIZE=W
+             OMPI_COMMAND=<python's file name> OMPI_ARGV=<the rest, space-joined> OMPI_APP_CTX_NUM_PROCS=W
+             OMPI_NUM_APP_CTX=1 OMPI_FIRST_RANKS=0                      (the one app context)
+             + what mpi_discovery derives: RANK=r WORLD_SIZE=W LOCAL_RANK=l MASTER_ADDR MASTER_PORT
+    mpich    PMI_RANK=r PMI_SIZE=W MPI_LOCALRANKID=l MPI_LOCALNRANKS=S
+             MPIR_CVAR_CH3_INTERFACE_HOSTNAME=<host>                     (Hydra)
+             MASTER_ADDR MASTER_PORT WORLD_SIZE=W LOCAL_SIZE=S           (-genv, get_cmd)
+             RANK=r LOCAL_RANK=l  (launcher_helper.py, from PMI_RANK / MPI_LOCALRANKID)
+    impi     PMI_RANK PMI_SIZE MPI_LOCALRANKID MPI_LOCALNRANKS           (Intel MPI's Hydra)
+             MASTER_ADDR MASTER_PORT WORLD_SIZE LOCAL_SIZE I_MPI_PIN=0   (-genv)
+             RANK=r LOCAL_RANK=l                                         (-env, one argument set per rank)
+    mvapich  PMI_RANK PMI_SIZE MPI_LOCALRANKID MPI_LOCALNRANKS           (MVAPICH2's Hydra)
+             MV2_COMM_WORLD_RANK=r MV2_COMM_WORLD_SIZE=W MV2_COMM_WORLD_LOCAL_RANK=l
+             MV2_COMM_WORLD_LOCAL_SIZE=S + what mpi_discovery derives (as openmpi)
+
+plus the exports (``-x`` / ``-genv`` / ``-env``): the launcher's own (openmpi ``UCX_TLS=tcp``;
+mvapich seven ``MV2_*``), then what runner.py exports on its multi-node path (the same as pdsh's,
+:func:`~.deepspeed.pdsh_exports`), then the spec's ``env``. argv is ``python -u [-m] <script>
+<args>`` (no ``--local_rank``: no MPI runner passes one), or ``<script> <args>`` with
+``no_python``.
+
+"What mpi_discovery derives": a script that calls ``deepspeed.init_distributed()`` (as
+``deepspeed.initialize`` does) without RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT/LOCAL_RANK in its
+environment runs ``mpi_discovery``, which needs mpi4py: RANK and WORLD_SIZE from
+``MPI.COMM_WORLD``, LOCAL_RANK = earlier ranks with the same processor name, MASTER_ADDR = the
+first address of rank 0's ``hostname -I``, MASTER_PORT = its ``distributed_port`` (29500). orch
+sets them at start instead (with the plan's master address and port), so such a script works
+without mpi4py and without an MPI library. Variables that only wire a rank to a live MPI daemon
+(``OMPI_MCA_*`` URIs and session directories, ``PMIX_*``, Hydra's ``PMI_FD``) are not emulated:
+they point at a process that does not exist under orch's agents.
+
+One node: runner.py takes its local path for any launcher (``multi_node_exec`` is false): it
+runs ``deepspeed.launcher.launch`` itself, as for pdsh with one node, and orch does the same (and
+says so in :meth:`MPILauncher.warnings`).
+
+Deliberate differences from DeepSpeed's runners (each also in docs/launchers.md):
+
+* include/exclude/num_nodes/num_gpus work: the real command is built from the filtered pool
+  (``-n``, ``--host host:slots`` / ``-hosts``), where every MPI runner raises "does not support
+  worker include/exclusion"; with no filter Open MPI still gets ``-hostfile <hostfile>``.
+* exported values reach the ranks exactly: DeepSpeed's ``add_export`` wraps a value with a space
+  (or any of ``"$'`` ...) in double quotes and no shell strips them from ``-x K="a b"``.
+* ``launcher_args`` override the defaults they name instead of repeating them (``--mca btl``;
+  ``btl_tcp_if_include``/``btl_tcp_if_exclude`` drop the default ``btl_tcp_if_include eth0``);
+  options that place ranks (``-n``, ``-np``, ``-ppn``, ``-hostfile``, ``--host``, ``-hosts``) are
+  refused, since the hostfile and filters place them.
+* mpich with ``module``/``no_python``: DeepSpeed puts ``-m`` before the helper's path (``python
+  -m /…/launcher_helper.py`` fails) or runs the helper without an interpreter; orch runs the helper
+  with ``python -u`` and passes ``--module``/``--no_python`` to it.
+* mvapich: the hosts are given with ``-hosts``, not written to the shared
+  ``/tmp/deepspeed_mvapich_hostfile`` that concurrent jobs overwrite.
+* a node whose slots are not ``0..S-1`` (a filter picked devices): the ranks get
+  ``CUDA_VISIBLE_DEVICES=<slots>``; MPI cannot pin ranks to devices, so DeepSpeed would ignore them.
+"""
+
+from __future__ import annotations
+
+import posixpath
+from dataclasses import dataclass
+
+from ..errors import LaunchError
+from .base import LaunchContext, RankLaunch, RealCommand, check_context
+from .deepspeed import PDSH, DEEPSPEED_IMPORT_DEFAULTS, render_pdsh_export
+
+__all__ = ["MPILauncher", "OPENMPI", "MPICH", "IMPI", "MVAPICH", "MVAPICH_EXPORTS",
+           "PLACEMENT_OPTIONS", "TORCH_DISTRIBUTED_DEFAULT_PORT"]
+
+#: deepspeed.constants TORCH_DISTRIBUTED_DEFAULT_PORT: mpi_discovery's MASTER_PORT by default.
+TORCH_DISTRIBUTED_DEFAULT_PORT = 29500
+#: MVAPICHRunner.__init__'s exports, in order (``MV2_USE_CUDA`` only on CUDA).
+MVAPICH_EXPORTS = (("MV2_SMP_USE_CMA", "0"), ("MV2_DEBUG_SHOW_BACKTRACE", "1"), ("MV2_USE_CUDA", "1"),
+                   ("MV2_SUPPORT_DL", "1"), ("MV2_ENABLE_AFFINITY", "0"), ("MV2_INTER_ALLGATHER_TUNING", "5"),
+                   ("MV2_CUDA_USE_NAIVE", "0"))
+#: Options of ``launcher_args`` that place ranks, which the hostfile and filters decide (refused).
+PLACEMENT_OPTIONS = {
+    "openmpi": ("-n", "-np", "--np", "-c", "-hostfile", "--hostfile", "-machinefile", "--machinefile",
+                "-H", "-host", "--host", "-N", "--npernode", "-npernode"),
+    "mpich": ("-n", "-np", "-ppn", "-hosts", "-host", "-f", "-hostfile", "-machinefile"),
+    "impi": ("-n", "-np", "-ppn", "-perhost", "-hosts", "-host", "-f", "-hostfile", "-machinefile"),
+    "mvapich": ("-n", "-np", "-ppn", "-hosts", "-host", "-f", "--hostfile", "-hostfile", "-machinefile"),
+}
+_TOOL = {"openmpi": "Open MPI's mpirun", "mpich": "MPICH's mpiexec (Hydra)",
+         "impi": "Intel MPI's mpirun (Hydra)", "mvapich": "MVAPICH2's mpirun (Hydra)"}
+_RUNNER = {"openmpi": "OpenMPIRunner", "mpich": "MPICHRunner", "impi": "IMPIRunner", "mvapich": "MVAPICHRunner"}
+_HYDRA_MASTER_VARS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "LOCAL_SIZE")
+
+
+def _option_name(arg: str) -> str:
+    return arg.split("=", 1)[0]
+
+
+@dataclass(frozen=True)
+class MPILauncher:
+    """One of DeepSpeed's MPI launchers (``name`` is ``openmpi``, ``mpich``, ``impi`` or ``mvapich``).
+
+    See the module docstring for each rank's variables and the differences from DeepSpeed.
+    """
+
+    name: str
+
+    # ---------------------------------------------------------------- checks
+
+    def _multi(self, ctx: LaunchContext) -> bool:
+        """runner.py ``main()``: the launcher is used only with more than one node."""
+        return len(ctx.world) > 1
+
+    def _check(self, ctx: LaunchContext) -> None:
+        check_context(self.name, ctx, "DeepSpeed's runner")
+        if not self._multi(ctx):
+            return
+        if self.name != "openmpi":
+            counts = {host: len(slots) for host, slots in ctx.world}
+            if len(set(counts.values())) > 1:
+                shown = ", ".join(f"{h}: {n}" for h, n in counts.items())
+                raise LaunchError(f"{self.name}: every node must run the same number of ranks ({_RUNNER[self.name]} "
+                                  f"raises 'requires same number of devices per node'; -ppn is one count); the pool "
+                                  f"has {shown}. Use num_gpus, or a filter that keeps as many slots on every host.")
+        placing = [a for a in ctx.launcher_args if _option_name(a) in PLACEMENT_OPTIONS[self.name]]
+        if placing:
+            raise LaunchError(f"launcher_args {placing} place ranks, which the hostfile and the include/exclude/"
+                              f"num_nodes/num_gpus filters decide for {self.name}; remove them and filter the pool")
+
+    # ---------------------------------------------------------------- exports
+
+    def exports(self, ctx: LaunchContext) -> dict[str, str]:
+        """What the real command exports to every rank, in its order: the runner's own (openmpi
+        ``UCX_TLS=tcp``; mvapich :data:`MVAPICH_EXPORTS`), then ``ctx.exports``, whose values win
+        and keep the runner's positions (``add_export`` into one dict, as runner.py does)."""
+        own: dict[str, str] = {}
+        if self.name == "openmpi":
+            own = {"UCX_TLS": "tcp"}
+        elif self.name == "mvapich":
+            own = {k: v for k, v in MVAPICH_EXPORTS if k != "MV2_USE_CUDA" or ctx.accelerator == "cuda"}
+        return {**own, **ctx.exports}
+
+    # ---------------------------------------------------------------- Launcher
+
+    def ranks(self, ctx: LaunchContext, node_rank: int) -> list[RankLaunch]:
+        """Return node ``node_rank``'s ranks with the variables the tool, DeepSpeed's command and its
+        discovery give them (module docstring); one node: ``deepspeed.launcher.launch``'s ranks.
+
+        Raises:
+            LaunchError: ``node_rank`` out of range, a bad pool, unequal slot counts (mpich, impi,
+                mvapich), or ``launcher_args`` that place ranks.
+        """
+        self._check(ctx)
+        if not self._multi(ctx):
+            return PDSH.ranks(ctx, node_rank)
+        if not 0 <= node_rank < len(ctx.world):
+            raise LaunchError(f"{self.name}: node rank {node_rank} is not in 0..{len(ctx.world) - 1}")
+        host, slots = ctx.world[node_rank]
+        base = sum(len(s) for _, s in ctx.world[:node_rank])
+        size, local_size = ctx.world_size, len(slots)
+        common = dict(self.exports(ctx))
+        if tuple(slots) != tuple(range(local_size)):
+            common["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, slots))
+        master = {"MASTER_ADDR": ctx.master_addr, "MASTER_PORT": str(ctx.master_port),
+                  "WORLD_SIZE": str(size), "LOCAL_SIZE": str(local_size)}
+        out = []
+        for local in range(local_size):
+            rank = base + local
+            env = dict(common)
+            if self.name in ("mpich", "impi"):
+                env.update(master)
+                if self.name == "impi":
+                    env["I_MPI_PIN"] = "0"
+            env.update(self._tool_env(host, rank, local, size, local_size))
+            if self.name == "openmpi":  # the app context: one, the script's command line
+                script = self._script(ctx)
+                env.update({"OMPI_COMMAND": posixpath.basename(script[0]), "OMPI_ARGV": " ".join(script[1:]),
+                            "OMPI_APP_CTX_NUM_PROCS": str(size), "OMPI_NUM_APP_CTX": "1", "OMPI_FIRST_RANKS": "0"})
+            if self.name in ("openmpi", "mvapich"):  # mpi_discovery
+                env.update({"RANK": str(rank), "WORLD_SIZE": str(size), "LOCAL_RANK": str(local),
+                            "MASTER_ADDR": ctx.master_addr, "MASTER_PORT": str(ctx.master_port)})
+            else:  # launcher_helper.py (mpich) or -env (impi)
+                env.update({"RANK": str(rank), "LOCAL_RANK": str(local)})
+            out.append(RankLaunch(global_rank=rank, local_rank=local, slot=slots[local],
+                                  argv=tuple(self._script(ctx)), env=env))
+        return out
+
+    def _tool_env(self, host: str, rank: int, local: int, size: int, local_size: int) -> dict[str, str]:
+        if self.name == "openmpi":
+            return {"OMPI_COMM_WORLD_SIZE": str(size), "OMPI_COMM_WORLD_RANK": str(rank),
+                    "OMPI_COMM_WORLD_LOCAL_RANK": str(local), "OMPI_COMM_WORLD_LOCAL_SIZE": str(local_size),
+                    "OMPI_COMM_WORLD_NODE_RANK": str(local), "OMPI_UNIVERSE_SIZE": str(size)}
+        env = {"PMI_RANK": str(rank), "PMI_SIZE": str(size), "MPI_LOCALRANKID": str(local),
+               "MPI_LOCALNRANKS": str(local_size)}
+        if self.name == "mpich":
+            env["MPIR_CVAR_CH3_INTERFACE_HOSTNAME"] = host
+        if self.name == "mvapich":
+            env.update({"MV2_COMM_WORLD_RANK": str(rank), "MV2_COMM_WORLD_SIZE": str(size),
+                        "MV2_COMM_WORLD_LOCAL_RANK": str(local), "MV2_COMM_WORLD_LOCAL_SIZE": str(local_size)})
+        return env
+
+    @staticmethod
+    def _python(ctx: LaunchContext) -> list[str]:
+        if ctx.no_python:
+            return []
+        return [ctx.python, "-u"] + (["-m"] if ctx.module else [])
+
+    def _script(self, ctx: LaunchContext) -> list[str]:
+        return self._python(ctx) + [ctx.entrypoint, *ctx.args]
+
+    def env_defaults(self, ctx: LaunchContext, node_rank: int) -> dict[str, str]:
+        """``PYTORCH_NVML_BASED_CUDA_CHECK=1`` where the node lacks it, for one node (launch.py) and
+        for mpich (launcher_helper.py imports deepspeed, whose ``__init__`` setdefaults it before it
+        starts the script); nothing for the others (the script's own import sets it, after start)."""
+        if not self._multi(ctx) or self.name == "mpich":
+            return {k: v for k, v in DEEPSPEED_IMPORT_DEFAULTS.items() if k not in ctx.exports}
+        return {}
+
+    def agent_store(self, ctx: LaunchContext, node_rank: int) -> tuple[str, int] | None:
+        """None: rank 0 creates the c10d store at MASTER_ADDR:MASTER_PORT."""
+        return None
+
+    # ---------------------------------------------------------------- the real command
+
+    def real_commands(self, ctx: LaunchContext) -> list[RealCommand]:
+        """Return the command DeepSpeed's runner would run on the controller (``where=None``): its
+        ``get_cmd`` for the same pool and arguments, with the fixes of the module docstring. One
+        node: ``deepspeed.launcher.launch`` run locally (as :data:`~.deepspeed.PDSH`).
+
+        Raises:
+            LaunchError: as :meth:`ranks`.
+        """
+        self._check(ctx)
+        if not self._multi(ctx):
+            return PDSH.real_commands(ctx)
+        build = {"openmpi": self._openmpi, "mpich": self._mpich, "impi": self._impi, "mvapich": self._mvapich}
+        env = {"PYTHONPATH": ctx.exports["PYTHONPATH"]} if "PYTHONPATH" in ctx.exports else {}
+        return [RealCommand(where=None, argv=tuple(build[self.name](ctx)), env=env)]
+
+    def _openmpi(self, ctx: LaunchContext) -> list[str]:
+        user = list(ctx.launcher_args)
+        mca = {user[i + 1] for i in range(len(user) - 1) if user[i] in ("-mca", "--mca")}
+        if ctx.hostfile and ctx.hostfile_is_pool:
+            where = ["-hostfile", ctx.hostfile]
+        else:
+            where = ["--host", ",".join(f"{h}:{len(s)}" for h, s in ctx.world)]
+        cmd = ["mpirun", "-n", str(ctx.world_size), *where]
+        if "btl" not in mca:
+            cmd += ["--mca", "btl", "^openib"]
+        if not mca & {"btl_tcp_if_include", "btl_tcp_if_exclude"}:
+            cmd += ["--mca", "btl_tcp_if_include", "eth0"]
+        cmd += user
+        for k, v in self.exports(ctx).items():
+            cmd += ["-x", f"{k}={v}"]
+        return cmd + self._script(ctx)
+
+    def _hydra_master(self, ctx: LaunchContext) -> list[str]:
+        per_node = len(ctx.world[0][1])
+        out: list[str] = []
+        for k, v in zip(_HYDRA_MASTER_VARS, (ctx.master_addr, ctx.master_port, ctx.world_size, per_node)):
+            out += ["-genv", k, str(v)]
+        return out
+
+    def _mpich(self, ctx: LaunchContext) -> list[str]:
+        per_node = len(ctx.world[0][1])
+        cmd = ["mpirun", "-n", str(ctx.world_size), "-ppn", str(per_node), *ctx.launcher_args]
+        for k, v in self.exports(ctx).items():
+            cmd += ["-genv", f"{k}={v}"]
+        cmd += self._hydra_master(ctx) + ["-hosts", ",".join(ctx.hosts)]
+        helper = posixpath.join(ctx.deepspeed_dir or "<deepspeed>", "launcher", "launcher_helper.py")
+        flags = ["--module"] if ctx.module else ["--no_python"] if ctx.no_python else []
+        return cmd + [ctx.python, "-u", helper, "--launcher", "mpich", *flags, ctx.entrypoint, *ctx.args]
+
+    def _impi(self, ctx: LaunchContext) -> list[str]:
+        per_node = len(ctx.world[0][1])
+        cmd = ["mpirun", "-ppn", str(per_node), *ctx.launcher_args]
+        for k, v in self.exports(ctx).items():
+            cmd += ["-genv", k, v]
+        cmd += self._hydra_master(ctx) + ["-genv", "I_MPI_PIN", "0", "-hosts", ",".join(ctx.hosts)]
+        for rank in range(ctx.world_size):
+            if rank:
+                cmd.append(":")
+            cmd += ["-n", "1", "-env", "RANK", str(rank), "-env", "LOCAL_RANK", str(rank % per_node)]
+            cmd += self._script(ctx)
+        return cmd
+
+    def _mvapich(self, ctx: LaunchContext) -> list[str]:
+        per_node = len(ctx.world[0][1])
+        cmd = ["mpirun", "-np", str(ctx.world_size), "-ppn", str(per_node), "-hosts", ",".join(ctx.hosts),
+               *ctx.launcher_args]
+        for k, v in self.exports(ctx).items():
+            cmd += ["-env", f"{k}={v}"]
+        return cmd + self._script(ctx)
+
+    # ---------------------------------------------------------------- warnings
+
+    def warnings(self, ctx: LaunchContext) -> list[str]:
+        """Where DeepSpeed's runner would have done differently than orch (module docstring)."""
+        if not self._multi(ctx):
+            return [f"one node: DeepSpeed's runner does not use {self.name} for a single node (runner.py main() "
+                    "runs deepspeed.launcher.launch locally); orch does the same"]
+        out = []
+        runner = _RUNNER[self.name]
+        filters = [n for n in ("include", "exclude") if getattr(ctx, n)]
+        filters += [n for n in ("num_nodes", "num_gpus") if getattr(ctx, n) != -1]
+        if filters:
+            out.append(f"DeepSpeed's {runner} refuses {'/'.join(filters)} ('does not support worker "
+                       "include/exclusion'); orch runs the filtered pool")
+        for key, value in self.exports(ctx).items():
+            if render_pdsh_export(value) != value:
+                out.append(f"exported {key}={value!r} would reach the ranks as {render_pdsh_export(value)!r} under "
+                           f"DeepSpeed's {runner} (add_export quotes it and no shell strips the quotes); orch "
+                           "passes it exactly")
+        for host, slots in ctx.world:
+            if tuple(slots) != tuple(range(len(slots))):
+                out.append(f"{host}: slots {list(slots)} are not 0..{len(slots) - 1}; {_TOOL[self.name]} cannot pin "
+                           f"ranks to devices, so orch gives that node's ranks CUDA_VISIBLE_DEVICES="
+                           f"{','.join(map(str, slots))}")
+        if self.name == "mpich" and (ctx.module or ctx.no_python):
+            out.append("DeepSpeed's MPICHRunner would fail with module/no_python (it puts -m before "
+                       "launcher_helper.py's path, or runs the helper without python); orch runs the helper with "
+                       "python and passes --module/--no_python to it")
+        return out
+
+
+#: ``--launcher openmpi``: Open MPI's ``mpirun``.
+OPENMPI = MPILauncher("openmpi")
+#: ``--launcher mpich``: MPICH's Hydra ``mpirun`` with DeepSpeed's launcher_helper.py.
+MPICH = MPILauncher("mpich")
+#: ``--launcher impi``: Intel MPI's ``mpirun``, one argument set per rank.
+IMPI = MPILauncher("impi")
+#: ``--launcher mvapich``: MVAPICH2-GDR's ``mpirun``.
+MVAPICH = MPILauncher("mvapich")
