@@ -229,6 +229,8 @@ def pdsh_oracle(ds, ctx, monkeypatch, tmp_path):
             "--master_port", str(ctx.master_port)]
     if ctx.ssh_port is not None:
         argv += ["--ssh_port", str(ctx.ssh_port)]
+    if ctx.launcher_args:
+        argv += ["--launcher_args", " ".join(ctx.launcher_args)]
     argv += [f"--{f}" for f in ("module", "no_python", "no_local_rank") if getattr(ctx, f)]
     args = ds.runner.parse_args(argv + [ctx.entrypoint, *ctx.args])
     active = collections.OrderedDict((h, list(s)) for h, s in ctx.world)
@@ -237,6 +239,8 @@ def pdsh_oracle(ds, ctx, monkeypatch, tmp_path):
         runner.add_export(k, v)
     # runner.main() hands get_cmd its environment, whose PYTHONPATH it set to the exported value
     runner_env = {"PYTHONPATH": ctx.exports["PYTHONPATH"]} if "PYTHONPATH" in ctx.exports else {}
+    if ctx.pdsh_ssh_args_append is not None:
+        runner_env["PDSH_SSH_ARGS_APPEND"] = ctx.pdsh_ssh_args_append
     cmd, _kill, env = runner.get_cmd(runner_env, active)
     return cmd, env
 
@@ -249,6 +253,9 @@ PDSH_CASES = {
     "flags": dict(module=True, no_local_rank=True, entrypoint="pkg.mod"),
     "no_python": dict(no_python=True, entrypoint="/opt/bin/run.sh"),
     "ssh_port": dict(ssh_port=2222),
+    "ssh_port_and_user_ssh_args": dict(ssh_port=2222, pdsh_ssh_args_append="-o ConnectTimeout=7"),
+    "user_ssh_args": dict(pdsh_ssh_args_append="-F /etc/orch/ssh_config"),
+    "launcher_args": dict(launcher_args=("-R", "ssh", "-u", "30")),
     "many": dict(world=WORLDS["many"]),
 }
 

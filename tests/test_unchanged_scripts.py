@@ -41,12 +41,14 @@ def _float(text: str, key: str) -> float:
     return float(re.search(rf"\b{key}=(\S+)", text).group(1))
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_plain_deepspeed_script_trains_across_two_nodes(orch, write_spec, hostfile, stage) -> None:
+@pytest.mark.parametrize("stage,launcher", [(2, "pdsh"), (3, "pdsh"), (2, "openmpi"), (2, "mpich")])
+def test_plain_deepspeed_script_trains_across_two_nodes(orch, write_spec, hostfile, stage, launcher) -> None:
+    """Under the MPI launchers the script gets no --local_rank and finds its ranks as DeepSpeed's
+    init_distributed would have after mpi_discovery (here: without mpi4py, orch sets them)."""
     helpers_train.prebuild_ops()
     script = EXAMPLES / "ds_plain_train.py"
     assert "ORCH_" not in script.read_text()  # it knows nothing of orch
-    spec = write_spec(name="plain", hostfile=str(hostfile(TWO_NODES)), launcher="pdsh", workdir=str(EXAMPLES),
+    spec = write_spec(name="plain", hostfile=str(hostfile(TWO_NODES)), launcher=launcher, workdir=str(EXAMPLES),
                       entrypoint="ds_plain_train.py", args=["--steps", "30"], deepspeed_args=True,
                       deepspeed_config=str(EXAMPLES / f"ds_zero{stage}.json"), stop_grace_seconds=5,
                       env={"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"})

@@ -48,6 +48,8 @@ class LaunchContext:
         num_nodes: DeepSpeed's ``--num_nodes`` (-1 if unset).
         num_gpus: DeepSpeed's ``--num_gpus`` (-1 if unset).
         ssh_port: ssh port for pdsh's real command, or None.
+        pdsh_ssh_args_append: ``PDSH_SSH_ARGS_APPEND`` in the runner's environment (pdsh adds it to
+            every ssh command line), or None; DeepSpeed appends ``-p <ssh_port>`` to it.
         launcher_args: the launcher's own arguments (DeepSpeed's ``--launcher_args``, split), in
             the real tool's command; the MPI launchers refuse those that place ranks.
         hostfile_is_pool: the hostfile as written is exactly the pool (no filter, no excluded host),
@@ -79,6 +81,7 @@ class LaunchContext:
     num_gpus: int = -1
     ssh_port: int | None = None
     launcher_args: tuple[str, ...] = ()
+    pdsh_ssh_args_append: str | None = None
     hostfile_is_pool: bool = False
     accelerator: str = "cuda"
     deepspeed_dir: str = ""

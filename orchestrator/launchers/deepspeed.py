@@ -73,7 +73,7 @@ must be free on node 0 when the ranks start.
 
 Not expressed (no ``LaunchContext`` field): ``--bind_cores_to_rank`` / ``--bind_core_list``
 (numactl prefix and ``OMP_NUM_THREADS``), ``--save_pid``, ``--enable_each_rank_log``,
-``--venv_script``, ``--launcher_args``.
+``--venv_script``.
 """
 
 from __future__ import annotations
@@ -528,9 +528,11 @@ class DeepSpeedLauncher:
             pdsh -S -f 1024 -w h1,h2 "export K=V; ... " "cd <workdir>;" <launch_argv>
                 <script> <args quoted as PDSHRunner.parse_user_args does>
 
-        with ``env={"PDSH_RCMD_TYPE": "ssh"}`` (get_cmd), ``PYTHONPATH`` when exported (runner.py
-        ``main()`` sets the exported value in its own environment too) and, when ``ssh_port`` is
-        set, ``PDSH_SSH_ARGS_APPEND`` as get_cmd builds it from an empty previous value.
+        (``ctx.launcher_args`` right after the hosts, as get_cmd adds ``--launcher_args``), with
+        ``env={"PDSH_RCMD_TYPE": "ssh"}`` (get_cmd), ``PYTHONPATH`` when exported (runner.py
+        ``main()`` sets the exported value in its own environment too) and
+        ``PDSH_SSH_ARGS_APPEND``: the runner's own (``ctx.pdsh_ssh_args_append``) with, when
+        ``ssh_port`` is set, `` -p <port>`` appended as get_cmd builds it.
 
         pdsh with one node: runner.py runs ``launch.py`` itself, on the controller
         (``where=None``; see :meth:`launch_argv`; ``env=ctx.exports``, which must then be in
@@ -551,7 +553,7 @@ class DeepSpeedLauncher:
             argv = self.launch_argv(ctx, 0) + [ctx.entrypoint, *ctx.args]
             return [RealCommand(where=None, argv=tuple(argv), env=dict(ctx.exports))]
         if self.ssh:
-            pdsh = ["pdsh", "-S", "-f", str(PDSH_MAX_FAN_OUT), "-w", ",".join(ctx.hosts)]
+            pdsh = ["pdsh", "-S", "-f", str(PDSH_MAX_FAN_OUT), "-w", ",".join(ctx.hosts), *ctx.launcher_args]
             exports = "".join(f"export {k}={render_pdsh_export(v)}; " for k, v in ctx.exports.items())
             argv = (pdsh + [exports, f"cd {posixpath.normpath(ctx.workdir)};"]
                     + self.launch_argv(ctx, "%n") + [ctx.entrypoint]
@@ -559,10 +561,13 @@ class DeepSpeedLauncher:
             env = {"PDSH_RCMD_TYPE": "ssh"}
             if "PYTHONPATH" in ctx.exports:  # runner.py main() sets it in its own env too
                 env["PYTHONPATH"] = ctx.exports["PYTHONPATH"]
+            old = ctx.pdsh_ssh_args_append
             if ctx.ssh_port is not None:
                 # get_cmd: f"{old} \<newline><12 spaces>-p {port}" -> the backslash-newline is a
                 # line continuation inside the f-string, leaving " " + 12 spaces.
-                env["PDSH_SSH_ARGS_APPEND"] = f"{''} {' ' * 12}-p {ctx.ssh_port}"
+                env["PDSH_SSH_ARGS_APPEND"] = f"{old or ''} {' ' * 12}-p {ctx.ssh_port}"
+            elif old is not None:  # the runner's own environment, which pdsh reads
+                env["PDSH_SSH_ARGS_APPEND"] = old
             return [RealCommand(where=None, argv=tuple(argv), env=env)]
         out = []
         for node_rank, host in enumerate(ctx.hosts):

@@ -392,7 +392,8 @@ def make_plan(spec: JobSpec, pool: ResourcePool, inputs: PlanInputs) -> JobPlan:
         no_local_rank=spec.no_local_rank, exports=exports, run_id=inputs.job_id,
         restart_count=inputs.attempt - 1, max_restarts=spec.restart.max_restarts, hostfile=spec.hostfile, include=spec.include,
         exclude=spec.exclude, num_nodes=spec.num_nodes, num_gpus=spec.num_gpus,
-        launcher_args=tuple(spec.launcher_args), hostfile_is_pool=inputs.hostfile_is_pool,
+        launcher_args=tuple(spec.launcher_args), hostfile_is_pool=inputs.hostfile_is_pool, ssh_port=spec.ssh.port,
+        pdsh_ssh_args_append=inputs.controller_env.get("PDSH_SSH_ARGS_APPEND"),
         accelerator=inputs.accelerator, deepspeed_dir=inputs.deepspeed_dir)
     log_dir = os.path.join(inputs.run_dir, "logs")
     metrics_dir = os.path.join(inputs.node_metrics_dir, inputs.attempt_id)
