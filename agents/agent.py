@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import os
 import queue
+import shutil
 import signal
 import socket
 import sys
@@ -36,6 +37,7 @@ import time
 from typing import Any
 
 from . import network
+from .adopted import SHIM, AdoptedRank, write_plans
 from .link import MessageReader, MessageWriter
 from .ranks import RankProcess, become_subreaper, describe_returncode, kill_descendants, kill_marked, stop_all
 
@@ -81,6 +83,10 @@ class Agent:
         self._watch = None
         self._signalled: int | None = None
         self._finished = threading.Event()
+        self.native = self.node.get("native")  # launch_mode native: the real launcher starts the ranks
+        self.launcher: RankProcess | None = None
+        self._announce: tuple[float, dict] | None = None  # native: (deadline, the `started` message)
+        self._launcher_wait: float | None = None  # native, node 0: until when the tool may still run
 
     # -- steps ------------------------------------------------------------------------------
 
@@ -184,14 +190,20 @@ class Agent:
             self.writer.send({"type": "warning", "message": f"network on {self.node['host']}: {choice.detail}"})
         return choice
 
+    def _rank_env(self, r: dict, choice: network.Choice) -> dict[str, str]:
+        env = rank_env(self.base_env, self.node, r)
+        for key, value in choice.sets.items():
+            env.setdefault(key, value)  # the user's own value wins
+        env.update(self.metrics.rank_env(r["global_rank"]))
+        return env
+
     def _start_ranks(self) -> bool:
         log_dir = self.node["log_dir"]
         choice = self._choose_network()
+        if self.native:
+            return self._start_native(choice)
         for r in self.node["ranks"]:
-            env = rank_env(self.base_env, self.node, r)
-            for key, value in choice.sets.items():
-                env.setdefault(key, value)  # the user's own value wins
-            env.update(self.metrics.rank_env(r["global_rank"]))
+            env = self._rank_env(r, choice)
             proc = RankProcess(r["global_rank"], r["argv"], env, self.node["workdir"],
                                os.path.join(log_dir, f"rank-{r['global_rank']}.log"))
             try:
@@ -204,6 +216,74 @@ class Agent:
             self.ranks.append(proc)
         self.writer.send({"type": "started", "metrics_port": self.metrics_port, "network": choice.to_dict(),
                           "ranks": [{"global_rank": p.global_rank, "pid": p.pid} for p in self.ranks]})
+        return True
+
+    def _start_native(self, choice: network.Choice) -> bool:
+        """launch_mode native: write the ranks' plans, start the real launcher (node 0), adopt the ranks."""
+        log_dir = self.node["log_dir"]
+        world = int(self.native["world_size"])
+        try:
+            write_plans(log_dir, self.node["host"], self.node["workdir"], world,
+                        [(r["global_rank"], r["local_rank"], self._rank_env(r, choice)) for r in self.node["ranks"]])
+        except OSError as err:
+            self.writer.send({"type": "spawn_failed", "global_rank": self.node["ranks"][0]["global_rank"],
+                              "error": f"cannot write the ranks' plans in {log_dir}: {err}"})
+            return False
+        self.ranks = [AdoptedRank(r["global_rank"], log_dir) for r in self.node["ranks"]]
+        command = self.native.get("command")
+        if command:
+            tool = next((t for t in command["tools"] if shutil.which(t, path=self.base_env.get("PATH"))), None)
+            if tool is None:
+                self.writer.send({"type": "spawn_failed", "global_rank": self.node["ranks"][0]["global_rank"],
+                                  "error": f"none of {', '.join(command['tools'])} is on this node's PATH"})
+                return False
+            argv = [tool] + [SHIM if a == command["shim_token"] else a for a in command["argv"][1:]]
+            env = {**self.base_env, **command.get("env", {}), "ORCH_ATTEMPT_ID": self.attempt_id,
+                   "ORCH_NODE_RANK": str(self.node["node_rank"])}
+            self.launcher = RankProcess(-1, argv, env, self.node["workdir"], os.path.join(log_dir, "launcher.log"))
+            try:
+                self.launcher.start()
+            except OSError as err:
+                self.writer.send({"type": "spawn_failed", "global_rank": self.node["ranks"][0]["global_rank"],
+                                  "error": f"{err.strerror or err}: {tool}"})
+                return False
+        self._announce = (time.monotonic() + float(self.native.get("start_timeout", 120.0)),
+                          {"type": "started", "metrics_port": self.metrics_port, "network": choice.to_dict()})
+        return True
+
+    def _native_turn(self) -> int | None:
+        """launch_mode native, each turn: announce the ranks once all started; fail the start when the
+        launcher ended first or the deadline passed. Returns the agent's exit status when it must stop."""
+        if self._announce is not None:
+            deadline, msg = self._announce
+            waiting = [p.global_rank for p in self.ranks if not p.started]
+            if not waiting:
+                self.writer.send({**msg, "ranks": [{"global_rank": p.global_rank, "pid": p.pid} for p in self.ranks]})
+                self._announce = None
+            else:
+                code = self.launcher.poll() if self.launcher else None
+                why = (f"the launcher ({self.launcher.argv[0]}) exited with {describe_returncode(code)} before starting "
+                       f"rank(s) {waiting}: {_tail(self.launcher.log_path)}" if code is not None else
+                       f"the launcher did not start rank(s) {waiting} within "
+                       f"{self.native.get('start_timeout', 120.0):.0f} s" if time.monotonic() > deadline else None)
+                if why:
+                    self.writer.send({"type": "spawn_failed", "global_rank": waiting[0], "error": why})
+                    return self._stop("the native launcher failed to start the ranks")
+        return None
+
+    def _launcher_ended(self) -> bool:
+        """Node 0, native, its own ranks ended: the tool ends once every node's ranks did; it gets
+        ``start_timeout`` seconds more to do so, then is stopped (with a warning)."""
+        assert self.launcher is not None
+        if self.launcher.poll() is not None:
+            return True
+        if self._launcher_wait is None:
+            self._launcher_wait = time.monotonic() + float(self.native.get("start_timeout", 120.0))
+        if time.monotonic() < self._launcher_wait:
+            return False
+        self.writer.send({"type": "warning", "message": f"the launcher ({self.launcher.argv[0]}) did not exit "
+                          f"{self.native.get('start_timeout', 120.0):.0f} s after this node's ranks ended; stopped"})
+        stop_all([self.launcher], self.grace)
         return True
 
     def _heartbeats(self) -> None:
@@ -231,9 +311,15 @@ class Agent:
                 return self._stop_on_own(f"the agent received {signal.Signals(self._signalled).name}")
             if now - last_heard > self.lease_s:
                 return self._stop_on_own(f"no word from the controller for {self.lease_s:.0f} s")
+            if self.native:
+                stopped = self._native_turn()
+                if stopped is not None:
+                    return stopped
             self._reap()
             self._send_progress(force=len(self.exited) == len(self.ranks))
-            if len(self.exited) == len(self.ranks):
+            if len(self.exited) == len(self.ranks) and self._announce is None:
+                if self.launcher is not None and not self._launcher_ended():
+                    continue
                 self._stop_watch()
                 self.writer.send({"type": "done", "exits": {str(k): v for k, v in self.exited.items()}})
                 self._cleanup()
@@ -294,7 +380,7 @@ class Agent:
         return self._stop(reason)
 
     def _stop(self, reason: str, report: bool = True) -> int:
-        stop_all(self.ranks, self.grace)
+        stop_all([*self.ranks, *([self.launcher] if self.launcher else [])], self.grace)
         self._reap()
         if report:
             self._send_progress(force=True)
@@ -306,9 +392,9 @@ class Agent:
         return 1
 
     def _cleanup(self) -> None:
-        for proc in self.ranks:  # children a finished rank left in its group
+        for proc in [*self.ranks, *([self.launcher] if self.launcher else [])]:  # what a finished rank left
             proc.signal_group(signal.SIGKILL)
-        if all(p.poll() is not None for p in self.ranks):
+        if all(p.poll() is not None for p in self.ranks if isinstance(p, RankProcess)):
             kill_descendants()  # orphans re-parented to this subreaper, then reap everything
         kill_marked(self.attempt_id, node_rank=self.node["node_rank"])
         self._store = None
@@ -408,6 +494,16 @@ class _BeforeStart:
             if self._thread is not None:
                 self._thread.join(5.0)
             self.preflight.cleanup()
+
+
+def _tail(path: str, size: int = 1500) -> str:
+    """The end of a log file, for a message ("(no output)" when empty or unreadable)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.path.getsize(path) - size))
+            return f.read().decode("utf-8", "replace").strip() or "(no output)"
+    except OSError:
+        return "(no output)"
 
 
 def rank_env(base_env: dict[str, str], node: dict, rank: dict) -> dict[str, str]:

@@ -34,6 +34,7 @@ from pathlib import Path
 import pytest
 from conftest import assert_no_leftovers
 
+from helpers_mpi import SLOTS, mpi_hosts, mpi_net, native_args  # noqa: F401  (fixtures)
 from orchestrator.launchers import LaunchContext, get_launcher
 from orchestrator.launchers.deepspeed import pdsh_exports
 
@@ -44,7 +45,6 @@ sys.path.insert(0, str(PROBE.parent))
 import probe  # noqa: E402
 
 TIMEOUT = 240
-SLOTS = 2
 ARGS = ("--flag", "two words", "--x=1")
 SPEC_ENV = {"SPEC_VAR": "from the spec"}
 #: what the real tool runs each launcher's command with on this machine
@@ -70,33 +70,6 @@ def _tool_family(var: str) -> bool:
 
 def _not_emulated(var: str) -> str | None:
     return next((why for prefix, why in NOT_EMULATED if var.startswith(prefix)), None)
-
-
-@pytest.fixture(scope="module")
-def mpi_net():
-    """3 namespace hosts with their own hostnames: mpi_discovery's LOCAL_RANK counts earlier ranks
-    with the same processor name (the hostname), which namespace hosts otherwise all share."""
-    from conftest import start_test_network
-    net = start_test_network(3, own_hostnames=True)
-    try:
-        yield net
-    finally:
-        net.close()
-
-
-@pytest.fixture(scope="module")
-def mpi_hosts(mpi_net, tmp_path_factory):
-    """``(net, bin dir with an ssh that uses the test hosts' config, hostfile)``."""
-    net3 = mpi_net
-    tmp = tmp_path_factory.mktemp("mpi")
-    bin_dir = tmp / "bin"
-    bin_dir.mkdir()
-    ssh = bin_dir / "ssh"
-    ssh.write_text(f'#!/bin/sh\nexec /usr/bin/ssh -F {net3.ssh_config} "$@"\n')
-    ssh.chmod(0o755)
-    hostfile = tmp / "hostfile"
-    hostfile.write_text("".join(f"{name} slots={SLOTS}\n" for name in net3.names))
-    return net3, bin_dir, hostfile
 
 
 def _free_port() -> int:
@@ -132,7 +105,7 @@ def _job(name: str, mpi_hosts, tmp_path: Path):
         base.update(MPI4PY_MPIABI="mpich", LD_LIBRARY_PATH=str(libdir))
     lines = (work / ".deepspeed_env").read_text().splitlines(keepends=True)
     exports = {**pdsh_exports(base, str(work), lines, accelerator_exports=()), **SPEC_ENV}
-    world = tuple((h, tuple(range(SLOTS))) for h in net.names)
+    world = tuple((h, tuple(range(SLOTS))) for h in net.names[:3])
     import deepspeed
     ctx = LaunchContext(world=world, master_addr=net.addresses[0], master_port=port, python=sys.executable,
                         entrypoint=str(PROBE), args=ARGS, workdir=str(work), exports=exports,
@@ -212,3 +185,28 @@ def test_emulation_matches_the_real_tool(name, mpi_hosts, tmp_path, orch, write_
                 problems.append(f"rank {rank}: the real tool sets {var}={r['env'][var]!r}, orch neither "
                                 "emulates it nor says why")
     assert not problems, "\n".join([f"{name}: real tool vs orch's emulation differ:"] + problems)
+
+
+# --------------------------------------------------------------------------- native
+
+
+@pytest.mark.parametrize("name", ["openmpi", "mpich"])
+def test_native_ranks_see_the_real_tool_and_the_plan(name, mpi_hosts, tmp_path, orch, write_spec):
+    """launch_mode native: the real tool starts every rank where orch planned it, and each rank has
+    what emulation gives it plus the tool's own live variables."""
+    net = mpi_hosts[0]
+    ctx, base, out, spec = _job(name, mpi_hosts, tmp_path)
+    spec.update(launch_mode="native", launcher_args=native_args(name, mpi_hosts), native_start_timeout=60)
+    ours = _run_orch(orch, write_spec, spec, base, out, ctx.world_size)
+    ns_of = {f"net:[{os.stat(f'/run/netns/{ns}').st_ino}]": i for i, ns in enumerate(net.namespaces)}
+    launcher = get_launcher(name)
+    planned = {r.global_rank: r for n in range(len(ctx.world)) for r in launcher.ranks(ctx, n)}
+    for rank, report in ours.items():
+        assert ns_of[report["netns"]] == rank // SLOTS
+        assert report["argv"] == [str(PROBE), *ARGS]
+        env = report["env"]
+        for var, value in planned[rank].env.items():
+            assert env.get(var) == value, (rank, var, env.get(var), value)
+        assert env["ORCH_NODE_RANK"] == str(rank // SLOTS)
+        live = [v for v in env if v.startswith(("PMIX_", "OMPI_MCA_", "PMI_FD"))]
+        assert live, f"rank {rank} has none of the real tool's live variables"

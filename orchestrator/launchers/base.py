@@ -18,7 +18,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping, Protocol
 
-__all__ = ["LaunchContext", "RankLaunch", "RealCommand", "Launcher", "check_context"]
+__all__ = ["LaunchContext", "RankLaunch", "RealCommand", "Launcher", "check_context", "SHIM_TOKEN"]
+
+#: In a native command (``launch_mode: native``), the word the node's agent replaces with the path
+#: of its per-rank program (``agents/native_rank.py``), which the real tool starts for every rank.
+SHIM_TOKEN = "{orch-native-rank}"
 
 
 @dataclass(frozen=True)

@@ -72,7 +72,7 @@ import posixpath
 from dataclasses import dataclass
 
 from ..errors import LaunchError
-from .base import LaunchContext, RankLaunch, RealCommand, check_context
+from .base import SHIM_TOKEN, LaunchContext, RankLaunch, RealCommand, check_context
 from .deepspeed import PDSH, DEEPSPEED_IMPORT_DEFAULTS, render_pdsh_export
 
 __all__ = ["MPILauncher", "OPENMPI", "MPICH", "IMPI", "MVAPICH", "MVAPICH_EXPORTS",
@@ -96,6 +96,10 @@ _TOOL = {"openmpi": "Open MPI's mpirun", "mpich": "MPICH's mpiexec (Hydra)",
          "impi": "Intel MPI's mpirun (Hydra)", "mvapich": "MVAPICH2's mpirun (Hydra)"}
 _RUNNER = {"openmpi": "OpenMPIRunner", "mpich": "MPICHRunner", "impi": "IMPIRunner", "mvapich": "MVAPICHRunner"}
 _HYDRA_MASTER_VARS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "LOCAL_SIZE")
+#: launch_mode native: the tool's names, in the order the agent looks for them on node 0's PATH
+#: (Debian installs Open MPI's and MPICH's side by side; plain ``mpirun`` is whichever won).
+NATIVE_TOOLS = {"openmpi": ("mpirun.openmpi", "mpirun"), "mpich": ("mpiexec.hydra", "mpirun.mpich", "mpiexec"),
+                "impi": ("mpirun",), "mvapich": ("mpirun",)}
 
 
 def _option_name(arg: str) -> str:
@@ -239,11 +243,44 @@ class MPILauncher:
         self._check(ctx)
         if not self._multi(ctx):
             return PDSH.real_commands(ctx)
-        build = {"openmpi": self._openmpi, "mpich": self._mpich, "impi": self._impi, "mvapich": self._mvapich}
         env = {"PYTHONPATH": ctx.exports["PYTHONPATH"]} if "PYTHONPATH" in ctx.exports else {}
-        return [RealCommand(where=None, argv=tuple(build[self.name](ctx)), env=env)]
+        return [RealCommand(where=None, argv=tuple(self._build(ctx, None)), env=env)]
 
-    def _openmpi(self, ctx: LaunchContext) -> list[str]:
+    def native_command(self, ctx: LaunchContext, log_dir: str) -> tuple[tuple[str, ...], RealCommand]:
+        """``launch_mode: native``: the tool names to look for and the command node 0's agent runs.
+
+        The real command (:meth:`real_commands`) with every rank's program prefixed by orch's
+        per-rank program (``python -u {SHIM_TOKEN} --dir <log_dir> --flavour <f> --``; mpich:
+        ``--helper`` in place of DeepSpeed's launcher_helper.py, which exits 0 whatever the script
+        did), so that each node's agent adopts the ranks the tool starts there. Its first word is
+        replaced by the first of the returned tool names found on node 0's PATH (``NATIVE_TOOLS``).
+
+        Raises:
+            LaunchError: one node (DeepSpeed's runner does not use the tool then), or as :meth:`ranks`.
+        """
+        self._check(ctx)
+        if not self._multi(ctx):
+            raise LaunchError(f"launch_mode native: with one node DeepSpeed's runner does not use {self.name} "
+                              "(it runs deepspeed.launcher.launch); use launch_mode: emulated")
+        shim = [ctx.python, "-u", SHIM_TOKEN, "--dir", log_dir,
+                "--flavour", "openmpi" if self.name == "openmpi" else "hydra"]
+        shim += ["--helper", "--"] if self.name == "mpich" else ["--"]
+        argv = self._build(ctx, shim + self._script(ctx))
+        env = {"PYTHONPATH": ctx.exports["PYTHONPATH"]} if "PYTHONPATH" in ctx.exports else {}
+        return NATIVE_TOOLS[self.name], RealCommand(where=ctx.hosts[0], argv=tuple(argv), env=env)
+
+    def _build(self, ctx: LaunchContext, program: list[str] | None) -> list[str]:
+        """The tool's command line running ``program`` for every rank (None: DeepSpeed's own)."""
+        if self.name == "mpich":
+            if program is None:
+                helper = posixpath.join(ctx.deepspeed_dir or "<deepspeed>", "launcher", "launcher_helper.py")
+                flags = ["--module"] if ctx.module else ["--no_python"] if ctx.no_python else []
+                program = [ctx.python, "-u", helper, "--launcher", "mpich", *flags, ctx.entrypoint, *ctx.args]
+            return self._mpich(ctx, program)
+        build = {"openmpi": self._openmpi, "impi": self._impi, "mvapich": self._mvapich}[self.name]
+        return build(ctx, program or self._script(ctx))
+
+    def _openmpi(self, ctx: LaunchContext, program: list[str]) -> list[str]:
         user = list(ctx.launcher_args)
         mca = {user[i + 1] for i in range(len(user) - 1) if user[i] in ("-mca", "--mca")}
         if ctx.hostfile and ctx.hostfile_is_pool:
@@ -258,7 +295,7 @@ class MPILauncher:
         cmd += user
         for k, v in self.exports(ctx).items():
             cmd += ["-x", f"{k}={v}"]
-        return cmd + self._script(ctx)
+        return cmd + program
 
     def _hydra_master(self, ctx: LaunchContext) -> list[str]:
         per_node = len(ctx.world[0][1])
@@ -267,17 +304,14 @@ class MPILauncher:
             out += ["-genv", k, str(v)]
         return out
 
-    def _mpich(self, ctx: LaunchContext) -> list[str]:
+    def _mpich(self, ctx: LaunchContext, program: list[str]) -> list[str]:
         per_node = len(ctx.world[0][1])
         cmd = ["mpirun", "-n", str(ctx.world_size), "-ppn", str(per_node), *ctx.launcher_args]
         for k, v in self.exports(ctx).items():
             cmd += ["-genv", f"{k}={v}"]
-        cmd += self._hydra_master(ctx) + ["-hosts", ",".join(ctx.hosts)]
-        helper = posixpath.join(ctx.deepspeed_dir or "<deepspeed>", "launcher", "launcher_helper.py")
-        flags = ["--module"] if ctx.module else ["--no_python"] if ctx.no_python else []
-        return cmd + [ctx.python, "-u", helper, "--launcher", "mpich", *flags, ctx.entrypoint, *ctx.args]
+        return cmd + self._hydra_master(ctx) + ["-hosts", ",".join(ctx.hosts)] + program
 
-    def _impi(self, ctx: LaunchContext) -> list[str]:
+    def _impi(self, ctx: LaunchContext, program: list[str]) -> list[str]:
         per_node = len(ctx.world[0][1])
         cmd = ["mpirun", "-ppn", str(per_node), *ctx.launcher_args]
         for k, v in self.exports(ctx).items():
@@ -286,17 +320,16 @@ class MPILauncher:
         for rank in range(ctx.world_size):
             if rank:
                 cmd.append(":")
-            cmd += ["-n", "1", "-env", "RANK", str(rank), "-env", "LOCAL_RANK", str(rank % per_node)]
-            cmd += self._script(ctx)
+            cmd += ["-n", "1", "-env", "RANK", str(rank), "-env", "LOCAL_RANK", str(rank % per_node), *program]
         return cmd
 
-    def _mvapich(self, ctx: LaunchContext) -> list[str]:
+    def _mvapich(self, ctx: LaunchContext, program: list[str]) -> list[str]:
         per_node = len(ctx.world[0][1])
         cmd = ["mpirun", "-np", str(ctx.world_size), "-ppn", str(per_node), "-hosts", ",".join(ctx.hosts),
                *ctx.launcher_args]
         for k, v in self.exports(ctx).items():
             cmd += ["-env", f"{k}={v}"]
-        return cmd + self._script(ctx)
+        return cmd + program
 
     # ---------------------------------------------------------------- warnings
 

@@ -15,9 +15,9 @@ import os
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
-from ..errors import PlanError
+from ..errors import LaunchError, PlanError
 from ..launchers import get_launcher
-from ..launchers.base import LaunchContext, RealCommand
+from ..launchers.base import SHIM_TOKEN, LaunchContext, RealCommand
 from ..launchers.deepspeed import pdsh_exports
 
 #: Launchers whose real command is built by DeepSpeed's runner.py multi-node path (which exports
@@ -166,6 +166,11 @@ class NodePlan:
             more). The agent picks the interface of the ranks' collectives by it (``agents.network``).
         checkpoint_watch: what the agent watches for checkpoint files (:class:`PlanInputs`), with the
             attempt's ``world_size``; or None.
+        native: ``launch_mode: native``: ``{"start_timeout": s, "world_size": W, "command": None |
+            {"tools": [names], "argv": [...], "env": {...}, "shim_token": str}}``: the agent does not start
+            its ranks, the real launcher does (node 0's agent runs ``command``, whose first word is the first
+            of ``tools`` found on PATH, and ``shim_token`` in it is the agent's per-rank program),
+            and every agent adopts its ranks as they start (``agents.adopted``); None: emulated.
     """
 
     node_rank: int
@@ -182,6 +187,7 @@ class NodePlan:
     master: Mapping[str, Any] | None = None
     path_prepend: str | None = None
     checkpoint_watch: Mapping[str, Any] | None = None
+    native: Mapping[str, Any] | None = None
 
     def to_dict(self) -> dict:
         """JSON-able form (what the agent receives in its ``start`` message)."""
@@ -191,7 +197,8 @@ class NodePlan:
                 "env_defaults": dict(self.env_defaults), "metrics_port": self.metrics_port,
                 "metrics_dir": self.metrics_dir, "deepspeed_monitor_dir": self.deepspeed_monitor_dir,
                 "master": dict(self.master) if self.master else None, "path_prepend": self.path_prepend,
-                "checkpoint_watch": dict(self.checkpoint_watch) if self.checkpoint_watch else None}
+                "checkpoint_watch": dict(self.checkpoint_watch) if self.checkpoint_watch else None,
+                "native": dict(self.native) if self.native else None}
 
 
 @dataclass(frozen=True)
@@ -356,6 +363,25 @@ def _with_load_universal(config: Mapping[str, Any]) -> dict:
     return config
 
 
+def _native(spec: JobSpec, launcher: Any, ctx: LaunchContext, node_rank: int, log_dir: str) -> dict | None:
+    """A node's ``native`` entry (:class:`NodePlan`): node 0 runs the real launcher's command.
+
+    Raises:
+        LaunchError: the launcher has no native mode.
+    """
+    if spec.launch_mode != "native":
+        return None
+    native_command = getattr(launcher, "native_command", None)
+    if native_command is None:
+        raise LaunchError(f"launch_mode native: the {launcher.name} launcher has no native mode (only the MPI "
+                          "launchers: openmpi, mpich, impi, mvapich); use launch_mode: emulated")
+    out: dict[str, Any] = {"start_timeout": spec.native_start_timeout, "world_size": ctx.world_size, "command": None}
+    if node_rank == 0:
+        tools, cmd = native_command(ctx, log_dir)
+        out["command"] = {"tools": list(tools), "argv": list(cmd.argv), "env": dict(cmd.env), "shim_token": SHIM_TOKEN}
+    return out
+
+
 def make_plan(spec: JobSpec, pool: ResourcePool, inputs: PlanInputs) -> JobPlan:
     """Plan one attempt of ``spec`` on ``pool``.
 
@@ -418,7 +444,7 @@ def make_plan(spec: JobSpec, pool: ResourcePool, inputs: PlanInputs) -> JobPlan:
                               {"addr": store[0], "port": store[1]} if store else None, defaults,
                               _metrics_port(spec, pool, node_rank), metrics_dir,
                               monitor_dir if any(r.global_rank == 0 for r in ranks) else None, master,
-                              path_prepend, watch))
+                              path_prepend, watch, _native(spec, launcher, ctx, node_rank, log_dir)))
     shown = replace(ctx, exports={**exports, **spec.env})  # what the real tool would export
     return JobPlan(
         job_id=inputs.job_id, job_name=spec.name, attempt=inputs.attempt, launcher=launcher.name,

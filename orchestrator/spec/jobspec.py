@@ -168,6 +168,13 @@ class JobSpec(BaseModel):
     launcher_args: list[str] = Field(default_factory=list, description="The launcher's own arguments "
                                      "(DeepSpeed's --launcher_args): a string, split as a shell would "
                                      "(shlex), or a list; in the real command orch plan shows and runs.")
+    launch_mode: Literal["emulated", "native"] = Field(
+        "emulated", description="emulated: orch's agents start the ranks with the environment the launcher's "
+        "real tool gives them (any provisioner); native: orch runs the real tool (mpirun, mpiexec) on the "
+        "first node and supervises the ranks it starts (the MPI launchers).")
+    native_start_timeout: float = Field(120.0, gt=0, le=3600, description="launch_mode native: seconds "
+                                        "the real tool has to start every rank before the attempt fails, "
+                                        "and to exit once the first node's ranks ended.")
     master_addr: str | None = None
     master_port: int | Literal["auto"] = "auto"
     env: dict[str, str] = Field(default_factory=dict)
