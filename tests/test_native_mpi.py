@@ -1,0 +1,185 @@
+"""Integration: ``launch_mode: native`` under the real Open MPI ``mpirun`` and MPICH ``mpiexec.hydra``.
+
+ZeRO-2 training (examples/train_gpt.py, tiny, CPU/gloo) on three namespace hosts with sshd
+(tests/helpers_mpi.py; a fourth is a spare), one slot each, the ssh provisioner: node 0's agent
+runs the real tool, which starts every rank over its own ssh; each node's agent adopts its ranks.
+Shown: training to completion under both tools; under native mpirun a rank killed and a host
+lost are detected, leave no process on any host (ranks, agents, and the tool's own ``orted`` /
+``hydra_pmi_proxy``), and the job resumes from its last complete checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from conftest import ROOT, assert_no_leftovers, job_processes, wait_for
+
+from helpers_mpi import mpi_hosts, mpi_net, native_args  # noqa: F401  (fixtures)
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import helpers_train  # noqa: E402
+
+pytestmark = pytest.mark.integration
+
+EXAMPLES = ROOT / "examples"
+TINY = ["--n-layer", "1", "--d-model", "32", "--n-head", "2", "--seq-len", "32", "--corpus-bytes", "200000",
+        "--log-interval", "0"]
+#: the real tools' own processes: none may outlive a job
+TOOL_PROCESSES = ("mpirun", "mpirun.openmpi", "orted", "mpiexec.hydra", "hydra_pmi_proxy")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ds_ops() -> None:
+    helpers_train.prebuild_ops()
+
+
+def _tool_processes() -> list[str]:
+    out = []
+    for p in psutil.process_iter(["name", "cmdline"]):
+        if p.info["name"] in TOOL_PROCESSES:
+            out.append(f"{p.pid} {' '.join(p.info['cmdline'] or [])[:150]}")
+    return out
+
+
+def _spec(write_spec, mpi_hosts, tmp_path: Path, launcher: str, *, steps: int, interval: int = 0,
+          name: str = "native", **extra) -> Path:
+    net = mpi_hosts[0]
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("".join(f"{n} slots=1\n" for n in net.names))  # 4 hosts, the last a spare
+    config = json.loads((EXAMPLES / "ds_zero2.json").read_text())
+    config["train_micro_batch_size_per_gpu"] = 4
+    p = net.client_params()
+    fields = dict(
+        name=name, hostfile=str(hostfile), num_nodes=3, provisioner="ssh", launcher=launcher, launch_mode="native",
+        launcher_args=native_args(launcher, mpi_hosts), workdir=str(EXAMPLES), entrypoint="train_gpt.py",
+        args=["--steps", str(steps), "--checkpoint-interval", str(interval), *TINY], deepspeed_config=config,
+        checkpoint_dir=str(tmp_path / f"ckpt-{name}"), env={"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"},
+        env_passthrough=["TORCH_EXTENSIONS_DIR"], stop_grace_seconds=5,
+        ssh={"user": p["user"], "identity_file": p["key_filename"], "known_hosts": p["known_hosts"]})
+    fields.update(extra)
+    return write_spec(**fields)
+
+
+def _steps(run_dir: Path, world: int) -> list[int]:
+    losses = helpers_train.attempt_losses(run_dir)
+    return [max((s for (r, s) in losses if r == rank), default=0) for rank in range(world)]
+
+
+def _assert_clean(job_id: str) -> None:
+    assert_no_leftovers(job_id, timeout=15)
+    wait_for(lambda: not _tool_processes(), 15, "the tool's own processes to end")
+
+
+@pytest.mark.parametrize("launcher", ["openmpi", "mpich"])
+def test_native_zero2_trains_to_completion(launcher, mpi_hosts, orch, write_spec, tmp_path) -> None:
+    spec = _spec(write_spec, mpi_hosts, tmp_path, launcher, steps=20, name=f"native-{launcher}")
+    r = orch("run", str(spec), "--output", "json", timeout=400)
+    detail = json.loads(r.stdout)
+    assert r.returncode == 0 and detail["state"] == "SUCCEEDED", (detail.get("cause"), r.stderr[-3000:])
+    run_dir = Path(detail["run_dir"])
+    assert _steps(run_dir, 3) == [20, 20, 20]
+    launcher_log = (run_dir / "logs" / "launcher.log")
+    assert launcher_log.exists()  # node 0 ran the tool
+    plan = json.loads((run_dir / "plan.json").read_text())
+    command = plan["nodes"][0]["native"]["command"]
+    assert command["argv"][0] == "mpirun" and plan["nodes"][1]["native"]["command"] is None
+    _assert_clean(detail["id"])
+
+
+def _wait_steps(orch, job_id: str, past: int, timeout: float = 180) -> Path:
+    def run_dir() -> Path | None:
+        d = orch.json("status", job_id)
+        assert d["state"] not in ("FAILED", "SUCCEEDED", "CANCELLED"), d.get("cause")
+        return Path(d["run_dir"]) if d["state"] == "RUNNING" and d.get("run_dir") else None
+    path = wait_for(run_dir, 120, "the job RUNNING")
+    wait_for(lambda: min(_steps(path, 3)) > past, timeout, f"every rank past step {past}", interval=0.2)
+    return path
+
+
+def _rank_process(job_id: str, rank: int) -> psutil.Process:
+    for p in job_processes(job_id):
+        try:
+            env = p.environ()
+            if env.get("RANK") == str(rank) and "train_gpt.py" in " ".join(p.cmdline()):
+                return p
+        except psutil.Error:
+            continue
+    raise AssertionError(f"no training process of rank {rank}")
+
+
+def _resume_and_finish(orch, job_id: str, steps: int, *extra: str) -> dict:
+    r = orch("resume", job_id, *extra, timeout=400)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    done = orch.json("status", job_id)
+    assert done["state"] == "SUCCEEDED" and [a["state"] for a in done["attempts"]] == ["FAILED", "SUCCEEDED"]
+    tag = done["attempts"][1]["resume_tag"]
+    start = int(tag.removeprefix("step_"))
+    assert start > 0
+    losses = helpers_train.attempt_losses(Path(done["run_dir"]))
+    for rank in range(3):
+        assert sorted(s for (r_, s) in losses if r_ == rank) == list(range(start + 1, steps + 1))
+    return done
+
+
+def test_native_mpirun_rank_killed_is_detected_and_resumable(mpi_hosts, orch, write_spec, tmp_path) -> None:
+    steps, interval = 60, 10
+    spec = _spec(write_spec, mpi_hosts, tmp_path, "openmpi", steps=steps, interval=interval, name="native-kill")
+    proc = orch.popen("run", str(spec))
+    try:
+        job_id = wait_for(lambda: (orch.json("list") or [{}])[0].get("id"), 60, "the job")
+        _wait_steps(orch, job_id, past=interval + 2)
+        victim = _rank_process(job_id, 1)
+        t0 = time.monotonic()
+        victim.send_signal(signal.SIGKILL)
+        wait_for(lambda: orch.json("status", job_id)["state"] == "FAILED", 30, "FAILED", interval=0.05)
+        detect_s = time.monotonic() - t0
+        proc.communicate(timeout=60)
+        assert proc.returncode == 1
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    cause = orch.json("status", job_id)["cause"]
+    print(f"\n[native mpirun] rank 1 SIGKILLed: FAILED after {detect_s:.2f} s; cause: {cause['message']}")
+    assert cause["kind"] == "rank_exit" and cause["global_rank"] == 1 and "SIGKILL" in cause["message"], cause
+    assert detect_s < 5
+    _assert_clean(job_id)
+    _resume_and_finish(orch, job_id, steps)
+    _assert_clean(job_id)
+
+
+def test_native_mpirun_host_lost_is_detected_and_resumes_on_the_spare(mpi_hosts, orch, write_spec,
+                                                                      tmp_path) -> None:
+    steps, interval, victim = 60, 10, 1
+    net = mpi_hosts[0]
+    spec = _spec(write_spec, mpi_hosts, tmp_path, "openmpi", steps=steps, interval=interval, name="native-lost")
+    proc = orch.popen("run", str(spec))
+    try:
+        job_id = wait_for(lambda: (orch.json("list") or [{}])[0].get("id"), 60, "the job")
+        _wait_steps(orch, job_id, past=interval + 2)
+        t0 = time.monotonic()
+        net.kill_host(victim)
+        wait_for(lambda: orch.json("status", job_id)["state"] == "FAILED", 30, "FAILED", interval=0.05)
+        detect_s = time.monotonic() - t0
+        proc.communicate(timeout=60)
+        assert proc.returncode == 1
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        net.reset()
+    detail = orch.json("status", job_id)
+    cause = detail["cause"]
+    print(f"\n[native mpirun] host {net.names[victim]} killed: FAILED after {detect_s:.2f} s; "
+          f"cause: {cause['message']}")
+    assert cause["kind"] == "node_lost" and cause["node"] == net.names[victim], cause
+    assert detect_s < 5
+    _assert_clean(job_id)
+    done = _resume_and_finish(orch, job_id, steps, "--exclude", net.names[victim])
+    assert done["attempts"][1]["nodes"] == [net.names[0], net.names[2], net.names[3]]
+    _assert_clean(job_id)
