@@ -431,6 +431,7 @@ def make_plan(spec: JobSpec, pool: ResourcePool, inputs: PlanInputs) -> JobPlan:
     path_prepend = os.path.dirname(inputs.python) if spec.prepend_python_bin and os.path.isabs(inputs.python) else None
     world = sum(len(slots) for _, slots in pool.nodes)
     watch = {**inputs.checkpoint_watch, "world_size": world} if inputs.checkpoint_watch else None
+    shown = replace(ctx, exports={**exports, **spec.env})  # what the real tool would export
     nodes = []
     for node_rank, (host, slots) in enumerate(pool.nodes):
         extra = orch_env(spec, inputs, node_rank, host)
@@ -444,8 +445,7 @@ def make_plan(spec: JobSpec, pool: ResourcePool, inputs: PlanInputs) -> JobPlan:
                               {"addr": store[0], "port": store[1]} if store else None, defaults,
                               _metrics_port(spec, pool, node_rank), metrics_dir,
                               monitor_dir if any(r.global_rank == 0 for r in ranks) else None, master,
-                              path_prepend, watch, _native(spec, launcher, ctx, node_rank, log_dir)))
-    shown = replace(ctx, exports={**exports, **spec.env})  # what the real tool would export
+                              path_prepend, watch, _native(spec, launcher, shown, node_rank, log_dir)))
     return JobPlan(
         job_id=inputs.job_id, job_name=spec.name, attempt=inputs.attempt, launcher=launcher.name,
         provisioner=spec.provisioner, master_addr=ctx.master_addr, master_port=ctx.master_port,

@@ -75,6 +75,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
         prefix = " ".join(f"{k}={shlex.quote(v)}" for k, v in cmd.env.items())
         c.print(f"  {where}: {prefix + ' ' if prefix else ''}{shlex.join(cmd.argv)}", markup=False,
                 highlight=False, soft_wrap=True)
+    native = plan.nodes[0].native.get("command") if plan.nodes and plan.nodes[0].native else None
+    if native:
+        c.print(Text(f"launch_mode native: the agent on {plan.nodes[0].host} runs (the first of "
+                     f"{', '.join(native['tools'])} on its PATH; {native['shim_token']} is orch's per-rank program):",
+                     style="bold"))
+        prefix = " ".join(f"{k}={shlex.quote(v)}" for k, v in native["env"].items())
+        c.print(f"  {prefix + ' ' if prefix else ''}{shlex.join(native['argv'])}", markup=False, highlight=False,
+                soft_wrap=True)
     for w in plan.warnings:
         err_console.print(Text(f"warning: {w}", style="yellow"))
     return 0
