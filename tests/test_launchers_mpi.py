@@ -93,10 +93,8 @@ RUNNER_ENV = {"PYTHONPATH": "/opt/site", "PYTHONHASHSEED": "0", "MLFLOW_RUN": "r
 
 
 def test_mpi_launchers_are_supported():
-    for name in MPI_LAUNCHERS:
+    for name in [*MPI_LAUNCHERS, "slurm"]:
         assert get_launcher(name.upper()) is LAUNCHERS[name]
-    with pytest.raises(LaunchError, match="known DeepSpeed launcher"):
-        get_launcher("slurm")
 
 
 # --------------------------------------------------------------------------- runner.main oracle
@@ -269,3 +267,80 @@ def test_one_node_is_deepspeeds_local_launch(ds, tmp_path, monkeypatch, name):
     assert list(ours.argv) == cmd and "deepspeed.launcher.launch" in cmd
     assert MPI_LAUNCHERS[name].ranks(ctx, 0) == PDSH.ranks(ctx, 0)
     assert "one node" in MPI_LAUNCHERS[name].warnings(ctx)[0]
+
+
+# --------------------------------------------------------------------------- slurm
+
+
+def _split_export(argv: list[str]) -> tuple[list[str], dict[str, str]]:
+    """DeepSpeed's srun command without its ``--export=ALL,K=V,...`` list, and that list."""
+    [i] = [n for n, a in enumerate(argv) if a.startswith("--export=")]
+    items = argv[i].split(",")[1:]
+    return argv[:i] + ["--export=ALL"] + argv[i + 1:], dict(item.split("=", 1) for item in items)
+
+
+@pytest.mark.parametrize("filters", [[], ["--exclude", "n1"]])
+def test_slurm_command_matches_runner_main(ds, tmp_path, monkeypatch, filters):
+    job = Job(tmp_path, monkeypatch, "n0 slots=2\nn1 slots=2\nn2 slots=2\n", RUNNER_ENV, deepspeed_env="DS_ONE=1\n")
+    cmd, env = job.deepspeed(ds, "slurm", "--launcher_args", "--time 10 --comment=x", *filters)
+    hosts = ["n0", "n2"] if filters else ["n0", "n1", "n2"]
+    ctx = job.ctx(tuple((h, (0, 1)) for h in hosts), launcher_args=("--time", "10", "--comment=x"),
+                  exclude="n1" if filters else "", hostfile_is_pool=not filters)
+    [ours] = get_launcher("slurm").real_commands(ctx)
+    theirs, exported = _split_export(cmd)
+    if filters:  # DeepSpeed names the filtered hosts; orch also fixes the tasks per node
+        i = theirs.index("--nodelist")
+        assert theirs[i:i + 4] == ["--nodelist", "n0,n2", "--nodes", "2"]
+        del theirs[i:i + 4]
+    placement = ["--nodelist", ",".join(hosts), "--nodes", str(len(hosts)), "--ntasks-per-node", "2"]
+    at = theirs.index("--export=ALL")
+    assert list(ours.argv) == theirs[:at] + placement + theirs[at:]
+    assert exported == {k: v for k, v in ours.env.items()} == ctx.exports  # through srun's environment instead
+    assert env == {**os.environ, "PYTHONPATH": ctx.exports["PYTHONPATH"]}
+
+
+def test_slurm_fixes_and_refusals(ds, tmp_path, monkeypatch):
+    job = Job(tmp_path, monkeypatch, EVEN_HOSTFILE, deepspeed_env="LIST=a,b\n")
+    slurm = get_launcher("slurm")
+    cmd, _ = job.deepspeed(ds, "slurm", "--module", script="pkg.train")
+    assert cmd[cmd.index(sys.executable) + 1:cmd.index(sys.executable) + 3] == ["-u", "pkg.train"]  # no -m
+    ctx = job.ctx(EVEN, script="pkg.train", module=True)
+    [ours] = slurm.real_commands(ctx)
+    assert list(ours.argv[ours.argv.index(sys.executable):]) == [sys.executable, "-u", "-m", "pkg.train", "--lr", "0.1"]
+    assert ours.env["LIST"] == "a,b"
+    warnings = " ".join(slurm.warnings(ctx))
+    assert "ignores module/no_python" in warnings and "LIST='a,b' has a comma" in warnings
+    with pytest.raises(ValueError, match="cannot select specific device ids"):
+        job.deepspeed(ds, "slurm", "--include", "n0:1@n1:1")
+    with pytest.raises(LaunchError, match=r"cannot select devices \[1\] on n0"):
+        slurm.ranks(job.ctx((("n0", (1,)), ("n1", (1,)))), 0)
+    (tmp_path / "b").mkdir()
+    job2 = Job(tmp_path / "b", monkeypatch, "n0 slots=2\nn1 slots=3\n")
+    with pytest.raises(ValueError, match="same slot count"):
+        job2.deepspeed(ds, "slurm")
+    with pytest.raises(LaunchError, match="same slot count"):
+        slurm.ranks(job2.ctx((("n0", (0, 1)), ("n1", (0, 1, 2)))), 0)
+    with pytest.raises(LaunchError, match="place tasks"):
+        slurm.real_commands(job.ctx(EVEN, launcher_args=("--ntasks-per-node=4",)))
+
+
+def test_slurm_rank_environment():
+    ctx = LaunchContext(world=(("w1", (0, 1)), ("w2", (0, 1)), ("w3", (0, 1))), master_addr="10.0.0.1",
+                        master_port=29600, python="/py", entrypoint="t.py", exports={"K": "v"})
+    r = get_launcher("slurm").ranks(ctx, 1)[1]
+    assert r.argv == ("/py", "-u", "t.py") and r.global_rank == 3
+    assert {k: v for k, v in r.env.items() if k.startswith("SLURM")} == {
+        "SLURM_PROCID": "3", "SLURM_LOCALID": "1", "SLURM_NODEID": "1", "SLURM_NTASKS": "6", "SLURM_NPROCS": "6",
+        "SLURM_NNODES": "3", "SLURM_STEP_NUM_TASKS": "6", "SLURM_STEP_NUM_NODES": "3",
+        "SLURM_STEP_NODELIST": "w[1-3]", "SLURM_STEP_TASKS_PER_NODE": "2(x3)", "SLURM_TASKS_PER_NODE": "2(x3)",
+        "SLURM_GTIDS": "2,3", "SLURMD_NODENAME": "w2", "SLURM_TOPOLOGY_ADDR": "w2",
+        "SLURM_TOPOLOGY_ADDR_PATTERN": "node", "SLURM_DISTRIBUTION": "block"}
+    assert {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "6", "MASTER_ADDR": "10.0.0.1", "K": "v"}.items() <= r.env.items()
+
+
+def test_tasks_per_node_forms():
+    from orchestrator.launchers.slurm import parse_tasks_per_node, tasks_per_node
+    assert tasks_per_node([2, 2, 3]) == "2(x2),3" and tasks_per_node([4]) == "4"
+    assert parse_tasks_per_node("2(x2),3") == [2, 2, 3] and parse_tasks_per_node("8") == [8]
+    with pytest.raises(ValueError, match="tasks-per-node form"):
+        parse_tasks_per_node("2x3")

@@ -83,10 +83,16 @@ def test_pool_problems_are_plan_errors(tmp_path) -> None:
         make_plan(_spec(tmp_path), ResourcePool(nodes=()), _inputs())
 
 
-def test_unsupported_launcher(tmp_path) -> None:
-    spec = _spec(tmp_path).model_copy(update={"launcher": "slurm"})  # load_spec refuses it earlier
-    with pytest.raises(LaunchError, match="slurm.*not support"):
-        make_plan(spec, _pool(("n0", 1)), _inputs())
+def test_native_mode_needs_a_launcher_that_has_one(tmp_path) -> None:
+    spec = _spec(tmp_path).model_copy(update={"launch_mode": "native"})  # pdsh
+    with pytest.raises(LaunchError, match="the pdsh launcher has no native mode"):
+        make_plan(spec, _pool(("n0", 1), ("n1", 1)), _inputs())
+    native = make_plan(spec.model_copy(update={"launcher": "openmpi"}), _pool(("n0", 1), ("n1", 1)), _inputs())
+    first, second = (n.native for n in native.nodes)
+    assert first["command"]["argv"][0] == "mpirun" and first["command"]["tools"][0] == "mpirun.openmpi"
+    assert first["command"]["shim_token"] in first["command"]["argv"] and second["command"] is None
+    assert first["world_size"] == 2 and first["start_timeout"] == 120.0
+    assert make_plan(spec.model_copy(update={"launch_mode": "emulated"}), _pool(("n0", 1)), _inputs()).nodes[0].native is None
 
 
 def test_plan_round_trips_through_json(tmp_path) -> None:

@@ -9,6 +9,10 @@ Supported (``spec.launcher``, case-insensitive like DeepSpeed's ``runner.py``, w
 * ``standard`` — ``torchrun`` with a static rendezvous on every node (:mod:`.torchrun`).
 * ``openmpi``, ``mpich``, ``impi``, ``mvapich`` — DeepSpeed's MPI runners: the ranks get what
   that MPI's ``mpirun`` and DeepSpeed's discovery give them (:mod:`.mpi`).
+* ``slurm`` — DeepSpeed's ``srun`` runner (:mod:`.slurm`).
+
+The MPI launchers and slurm also have ``native_command(ctx, log_dir)``: the real tool's command
+for ``launch_mode: native``, run by node 0's agent.
 
 Every launcher object has ``name``, ``ranks(ctx, node_rank)``, ``real_commands(ctx)``,
 ``agent_store(ctx, node_rank)`` (the :class:`~.base.Launcher` protocol) and
@@ -32,6 +36,7 @@ from ..errors import LaunchError
 from .base import LaunchContext, Launcher, RankLaunch, RealCommand
 from .deepspeed import NOSSH, PDSH, DeepSpeedLauncher, pdsh_exports
 from .mpi import IMPI, MPICH, MVAPICH, OPENMPI, MPILauncher
+from .slurm import SLURM, SlurmLauncher
 from .torchrun import STANDARD, TorchrunLauncher
 
 __all__ = [
@@ -46,14 +51,15 @@ __all__ = [
     "DeepSpeedLauncher",
     "TorchrunLauncher",
     "MPILauncher",
+    "SlurmLauncher",
     "pdsh_exports",
 ]
 
 #: name -> launcher, for every launcher orch can run.
 LAUNCHERS: dict[str, Launcher] = {"pdsh": PDSH, "standard": STANDARD, "nossh": NOSSH, "openmpi": OPENMPI,
-                                  "mpich": MPICH, "impi": IMPI, "mvapich": MVAPICH}
+                                  "mpich": MPICH, "impi": IMPI, "mvapich": MVAPICH, "slurm": SLURM}
 #: DeepSpeed launchers (deepspeed/launcher/constants.py) that orch knows but cannot run yet.
-UNSUPPORTED_LAUNCHERS = ("slurm",)
+UNSUPPORTED_LAUNCHERS: tuple[str, ...] = ()
 
 
 def get_launcher(name: str) -> Launcher:

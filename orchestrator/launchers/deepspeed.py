@@ -66,10 +66,8 @@ pdsh vs nossh — what reaches the ranks' environment besides ``launch.py``'s va
   ``env``) is orch's own addition there; a user reproducing it sets those variables in the
   environment of the ``deepspeed`` command (see :meth:`DeepSpeedLauncher.real_commands`).
 
-Neither hosts a store: ``launch.py``'s rank 0 creates the c10d TCPStore itself at
-``MASTER_ADDR:MASTER_PORT`` (``torch.distributed.rendezvous._create_c10d_store``, as
-``TORCHELASTIC_USE_AGENT_STORE`` is unset), so ``agent_store`` is ``None`` and ``master_port``
-must be free on node 0 when the ranks start.
+Neither hosts a store: ``launch.py``'s rank 0 creates the c10d TCPStore at ``MASTER_ADDR:MASTER_PORT``
+(``TORCHELASTIC_USE_AGENT_STORE`` unset), so ``master_port`` must be free on node 0 at start.
 
 Not expressed (no ``LaunchContext`` field): ``--bind_cores_to_rank`` / ``--bind_core_list``
 (numactl prefix and ``OMP_NUM_THREADS``), ``--save_pid``, ``--enable_each_rank_log``,
@@ -528,11 +526,10 @@ class DeepSpeedLauncher:
             pdsh -S -f 1024 -w h1,h2 "export K=V; ... " "cd <workdir>;" <launch_argv>
                 <script> <args quoted as PDSHRunner.parse_user_args does>
 
-        (``ctx.launcher_args`` right after the hosts, as get_cmd adds ``--launcher_args``), with
-        ``env={"PDSH_RCMD_TYPE": "ssh"}`` (get_cmd), ``PYTHONPATH`` when exported (runner.py
-        ``main()`` sets the exported value in its own environment too) and
-        ``PDSH_SSH_ARGS_APPEND``: the runner's own (``ctx.pdsh_ssh_args_append``) with, when
-        ``ssh_port`` is set, `` -p <port>`` appended as get_cmd builds it.
+        (``ctx.launcher_args`` after the hosts, as get_cmd puts ``--launcher_args``), with
+        ``env={"PDSH_RCMD_TYPE": "ssh"}``, ``PYTHONPATH`` when exported (runner.py sets it in its
+        own environment too) and ``PDSH_SSH_ARGS_APPEND``: the runner's (``ctx.pdsh_ssh_args_append``)
+        with `` -p <ssh_port>`` appended as get_cmd does.
 
         pdsh with one node: runner.py runs ``launch.py`` itself, on the controller
         (``where=None``; see :meth:`launch_argv`; ``env=ctx.exports``, which must then be in
@@ -563,8 +560,7 @@ class DeepSpeedLauncher:
                 env["PYTHONPATH"] = ctx.exports["PYTHONPATH"]
             old = ctx.pdsh_ssh_args_append
             if ctx.ssh_port is not None:
-                # get_cmd: f"{old} \<newline><12 spaces>-p {port}" -> the backslash-newline is a
-                # line continuation inside the f-string, leaving " " + 12 spaces.
+                # get_cmd: f"{old} \<newline><12 spaces>-p {port}": " " + 12 spaces (a line continuation)
                 env["PDSH_SSH_ARGS_APPEND"] = f"{old or ''} {' ' * 12}-p {ctx.ssh_port}"
             elif old is not None:  # the runner's own environment, which pdsh reads
                 env["PDSH_SSH_ARGS_APPEND"] = old

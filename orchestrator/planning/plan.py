@@ -373,8 +373,8 @@ def _native(spec: JobSpec, launcher: Any, ctx: LaunchContext, node_rank: int, lo
         return None
     native_command = getattr(launcher, "native_command", None)
     if native_command is None:
-        raise LaunchError(f"launch_mode native: the {launcher.name} launcher has no native mode (only the MPI "
-                          "launchers: openmpi, mpich, impi, mvapich); use launch_mode: emulated")
+        raise LaunchError(f"launch_mode native: the {launcher.name} launcher has no native mode (only openmpi, "
+                          "mpich, impi, mvapich and slurm have); use launch_mode: emulated")
     out: dict[str, Any] = {"start_timeout": spec.native_start_timeout, "world_size": ctx.world_size, "command": None}
     if node_rank == 0:
         tools, cmd = native_command(ctx, log_dir)
