@@ -51,3 +51,29 @@ def native_args(name: str, mpi_hosts) -> list[str]:
         return ["--allow-run-as-root", "--mca", "btl", "self,tcp", "--mca", "oob_tcp_if_include", subnet,
                 "--mca", "btl_tcp_if_include", subnet, "--mca", "plm_rsh_agent", ssh]
     return ["-launcher", "ssh", "-launcher-exec", ssh]
+
+
+@pytest.fixture(scope="module")
+def slurm_cluster(mpi_net):
+    """A real Slurm cluster (tests/slurmcluster.py) with a slurmd on every host of ``mpi_net``."""
+    import slurmcluster
+    try:
+        cluster = slurmcluster.SlurmCluster(mpi_net).start()
+    except slurmcluster.SlurmError as err:
+        pytest.fail(f"cannot start the Slurm test cluster: {err}", pytrace=False)
+    try:
+        yield cluster
+    finally:
+        cluster.close()
+
+
+def mpich_mpi4py_env(tmp_path) -> dict[str, str]:
+    """What mpi4py needs to use MPICH's library (and so Hydra's or srun's PMI) instead of Open MPI's:
+    Debian names it libmpich.so.12, mpi4py's MPICH build loads libmpi.so.12."""
+    from pathlib import Path
+    libdir = tmp_path / "mpich-lib"
+    libdir.mkdir(exist_ok=True)
+    link = libdir / "libmpi.so.12"
+    if not link.exists():
+        link.symlink_to(next(Path("/usr/lib").glob("*/libmpich.so.12")))
+    return {"MPI4PY_MPIABI": "mpich", "LD_LIBRARY_PATH": str(libdir)}

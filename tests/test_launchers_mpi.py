@@ -334,7 +334,7 @@ def test_slurm_rank_environment():
         "SLURM_NNODES": "3", "SLURM_STEP_NUM_TASKS": "6", "SLURM_STEP_NUM_NODES": "3",
         "SLURM_STEP_NODELIST": "w[1-3]", "SLURM_STEP_TASKS_PER_NODE": "2(x3)", "SLURM_TASKS_PER_NODE": "2(x3)",
         "SLURM_GTIDS": "2,3", "SLURMD_NODENAME": "w2", "SLURM_TOPOLOGY_ADDR": "w2",
-        "SLURM_TOPOLOGY_ADDR_PATTERN": "node", "SLURM_DISTRIBUTION": "block"}
+        "SLURM_TOPOLOGY_ADDR_PATTERN": "node", "SLURM_NTASKS_PER_NODE": "2"}
     assert {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "6", "MASTER_ADDR": "10.0.0.1", "K": "v"}.items() <= r.env.items()
 
 

@@ -34,7 +34,7 @@ from pathlib import Path
 import pytest
 from conftest import assert_no_leftovers
 
-from helpers_mpi import SLOTS, mpi_hosts, mpi_net, native_args  # noqa: F401  (fixtures)
+from helpers_mpi import SLOTS, mpi_hosts, mpi_net, mpich_mpi4py_env, native_args  # noqa: F401  (fixtures)
 from orchestrator.launchers import LaunchContext, get_launcher
 from orchestrator.launchers.deepspeed import pdsh_exports
 
@@ -99,10 +99,7 @@ def _job(name: str, mpi_hosts, tmp_path: Path):
     else:
         launcher_args = ("-launcher", "ssh")
     if name == "mvapich":  # mpi_discovery's mpi4py must talk to MPICH's Hydra: MPICH's library
-        libdir = tmp_path / "mpich-lib"
-        libdir.mkdir()
-        (libdir / "libmpi.so.12").symlink_to(next(Path("/usr/lib").glob("*/libmpich.so.12")))
-        base.update(MPI4PY_MPIABI="mpich", LD_LIBRARY_PATH=str(libdir))
+        base.update(mpich_mpi4py_env(tmp_path))
     lines = (work / ".deepspeed_env").read_text().splitlines(keepends=True)
     exports = {**pdsh_exports(base, str(work), lines, accelerator_exports=()), **SPEC_ENV}
     world = tuple((h, tuple(range(SLOTS))) for h in net.names[:3])

@@ -14,7 +14,7 @@ distribution filling each node in order)::
     SLURM_STEP_NUM_TASKS=W SLURM_STEP_NUM_NODES=N SLURM_STEP_NODELIST=<hostlist>
     SLURM_STEP_TASKS_PER_NODE=P(xN) SLURM_TASKS_PER_NODE=P(xN) SLURM_GTIDS=<the node's ranks>
     SLURMD_NODENAME=<host> SLURM_TOPOLOGY_ADDR=<host> SLURM_TOPOLOGY_ADDR_PATTERN=node
-    SLURM_DISTRIBUTION=block
+    SLURM_NTASKS_PER_NODE=P   (orch's --ntasks-per-node)
     + what DeepSpeed's mpi_discovery derives (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
       MASTER_PORT: see :mod:`.mpi`), which orch sets at start
 
@@ -58,8 +58,9 @@ def compress_hostlist(hosts: Sequence[str]) -> str:
     """Slurm's hostlist of ``hosts``, in their order (same as ``scontrol show hostlist``).
 
     Runs of consecutive hosts with the same prefix and a numeric suffix share one bracket; in it,
-    numbers that follow each other with the same width make a range: ``n1,n2,n3,n5`` -> ``n[1-3,5]``,
-    ``n01,n02,n3`` -> ``n[01-02,3]``, ``w2,w1`` -> ``w[2,1]``; other names stay as they are.
+    numbers that follow each other with an equivalent width (Slurm's rule: zero padding must agree)
+    make a range: ``n1,n2,n3,n5`` -> ``n[1-3,5]``, ``n9,n10`` -> ``n[9-10]``, ``n01,n02,n3`` ->
+    ``n[01-02,3]``, ``w2,w1`` -> ``w[2,1]``; other names stay as they are.
     """
     out: list[str] = []
     i = 0
@@ -82,10 +83,20 @@ def compress_hostlist(hosts: Sequence[str]) -> str:
     return ",".join(out)
 
 
+def _same_width(a: str, b: str) -> bool:
+    """Slurm's ``_width_equiv`` (hostlist.c): 9 and 10 may share a range, 02 and 3 may not."""
+    if len(a) == len(b):
+        return True
+
+    def pad(num: str, width: int) -> int:
+        return max(0, width - len(str(int(num))))
+    return not (pad(a, len(a)) != pad(a, len(b)) and pad(b, len(b)) != pad(b, len(a)))
+
+
 def _ranges(nums: list[str]) -> str:
     parts, start, prev = [], nums[0], nums[0]
     for n in nums[1:] + [None]:
-        if n is not None and len(n) == len(prev) and int(n) == int(prev) + 1:
+        if n is not None and _same_width(prev, n) and int(n) == int(prev) + 1:
             prev = n
             continue
         parts.append(start if start == prev else f"{start}-{prev}")
@@ -167,7 +178,7 @@ class SlurmLauncher:
                   "SLURM_STEP_NODELIST": compress_hostlist(ctx.hosts), "SLURM_STEP_TASKS_PER_NODE": tpn,
                   "SLURM_TASKS_PER_NODE": tpn, "SLURM_GTIDS": ",".join(str(base + i) for i in range(per_node)),
                   "SLURMD_NODENAME": host, "SLURM_TOPOLOGY_ADDR": host, "SLURM_TOPOLOGY_ADDR_PATTERN": "node",
-                  "SLURM_DISTRIBUTION": "block"}
+                  "SLURM_NTASKS_PER_NODE": str(per_node)}
         out = []
         for local in range(per_node):
             rank = base + local
