@@ -149,6 +149,14 @@ class SlurmCluster:
         (self.dir / f"spool-{h.name}").mkdir(exist_ok=True)
         self._spawn(f"slurmd-{h.name}", [*self.net.enter_argv(i), "slurmd", "-D", "-N", h.name, "-f", str(self.conf)])
 
+    def restart_dead(self, timeout: float = 60.0) -> None:
+        """Start every slurmd that is not running (after ``net.reset()``, which kills them and the
+        steps on them), cancel every job left, and wait until every node is idle again."""
+        for i in self.indices:
+            self.start_slurmd(i)
+        self.run(["scancel", "--user", "root"], check=False)
+        self.wait_idle(timeout)
+
     def stop_slurmd(self, i: int) -> None:
         """SIGKILL host i's slurmd (its jobs' steps keep running, as on a node whose daemon died)."""
         p = self.procs.get(f"slurmd-{self.net.names[i]}")

@@ -1,11 +1,13 @@
-"""Integration: ``launch_mode: native`` under the real Open MPI ``mpirun`` and MPICH ``mpiexec.hydra``.
+"""Integration: ``launch_mode: native`` under the real ``mpirun`` (Open MPI), ``mpiexec.hydra`` (MPICH), ``srun``.
 
 ZeRO-2 training (examples/train_gpt.py, tiny, CPU/gloo) on three namespace hosts with sshd
 (tests/helpers_mpi.py; a fourth is a spare), one slot each, the ssh provisioner: node 0's agent
-runs the real tool, which starts every rank over its own ssh; each node's agent adopts its ranks.
-Shown: training to completion under both tools; under native mpirun a rank killed and a host
-lost are detected, leave no process on any host (ranks, agents, and the tool's own ``orted`` /
-``hydra_pmi_proxy``), and the job resumes from its last complete checkpoint.
+runs the real tool, which starts every rank (over its own ssh; srun through the test Slurm cluster's
+slurmds, tests/slurmcluster.py); each node's agent adopts its ranks. Shown: training to completion
+under the three tools natively and under openmpi and slurm emulated on the ssh provisioner; under
+native mpirun and native srun a rank killed and a host lost are detected, leave no process on any
+host (ranks, agents, the tool's own ``orted`` / ``hydra_pmi_proxy`` / ``slurmstepd``), and the
+job resumes from its last complete checkpoint.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import psutil
 import pytest
 from conftest import ROOT, assert_no_leftovers, job_processes, wait_for
 
-from helpers_mpi import mpi_hosts, mpi_net, native_args  # noqa: F401  (fixtures)
+from helpers_mpi import mpi_hosts, mpi_net, native_args, slurm_cluster  # noqa: F401  (fixtures)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import helpers_train  # noqa: E402
@@ -32,7 +34,7 @@ EXAMPLES = ROOT / "examples"
 TINY = ["--n-layer", "1", "--d-model", "32", "--n-head", "2", "--seq-len", "32", "--corpus-bytes", "200000",
         "--log-interval", "0"]
 #: the real tools' own processes: none may outlive a job
-TOOL_PROCESSES = ("mpirun", "mpirun.openmpi", "orted", "mpiexec.hydra", "hydra_pmi_proxy")
+TOOL_PROCESSES = ("mpirun", "mpirun.openmpi", "orted", "mpiexec.hydra", "hydra_pmi_proxy", "srun", "slurmstepd")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -49,18 +51,22 @@ def _tool_processes() -> list[str]:
 
 
 def _spec(write_spec, mpi_hosts, tmp_path: Path, launcher: str, *, steps: int, interval: int = 0,
-          name: str = "native", **extra) -> Path:
+          name: str = "native", cluster=None, mode: str = "native", **extra) -> Path:
     net = mpi_hosts[0]
+    env = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    if cluster is not None:  # srun on node 0 finds the test cluster (its env: the exports)
+        env["SLURM_CONF"] = str(cluster.conf)
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("".join(f"{n} slots=1\n" for n in net.names))  # 4 hosts, the last a spare
     config = json.loads((EXAMPLES / "ds_zero2.json").read_text())
     config["train_micro_batch_size_per_gpu"] = 4
     p = net.client_params()
     fields = dict(
-        name=name, hostfile=str(hostfile), num_nodes=3, provisioner="ssh", launcher=launcher, launch_mode="native",
-        launcher_args=native_args(launcher, mpi_hosts), workdir=str(EXAMPLES), entrypoint="train_gpt.py",
+        name=name, hostfile=str(hostfile), num_nodes=3, provisioner="ssh", launcher=launcher, launch_mode=mode,
+        launcher_args=[] if launcher == "slurm" else native_args(launcher, mpi_hosts), workdir=str(EXAMPLES),
+        entrypoint="train_gpt.py",
         args=["--steps", str(steps), "--checkpoint-interval", str(interval), *TINY], deepspeed_config=config,
-        checkpoint_dir=str(tmp_path / f"ckpt-{name}"), env={"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"},
+        checkpoint_dir=str(tmp_path / f"ckpt-{name}"), env=env,
         env_passthrough=["TORCH_EXTENSIONS_DIR"], stop_grace_seconds=5,
         ssh={"user": p["user"], "identity_file": p["key_filename"], "known_hosts": p["known_hosts"]})
     fields.update(extra)
@@ -77,19 +83,24 @@ def _assert_clean(job_id: str) -> None:
     wait_for(lambda: not _tool_processes(), 15, "the tool's own processes to end")
 
 
-@pytest.mark.parametrize("launcher", ["openmpi", "mpich"])
-def test_native_zero2_trains_to_completion(launcher, mpi_hosts, orch, write_spec, tmp_path) -> None:
-    spec = _spec(write_spec, mpi_hosts, tmp_path, launcher, steps=20, name=f"native-{launcher}")
+@pytest.mark.parametrize("launcher,mode", [("openmpi", "native"), ("mpich", "native"), ("slurm", "native"),
+                                           ("openmpi", "emulated"), ("slurm", "emulated")])
+def test_zero2_trains_to_completion(launcher, mode, mpi_hosts, slurm_cluster, orch, write_spec, tmp_path) -> None:
+    spec = _spec(write_spec, mpi_hosts, tmp_path, launcher, steps=20, name=f"{mode}-{launcher}", mode=mode,
+                 cluster=slurm_cluster if launcher == "slurm" else None)
     r = orch("run", str(spec), "--output", "json", timeout=400)
     detail = json.loads(r.stdout)
     assert r.returncode == 0 and detail["state"] == "SUCCEEDED", (detail.get("cause"), r.stderr[-3000:])
     run_dir = Path(detail["run_dir"])
     assert _steps(run_dir, 3) == [20, 20, 20]
-    launcher_log = (run_dir / "logs" / "launcher.log")
-    assert launcher_log.exists()  # node 0 ran the tool
     plan = json.loads((run_dir / "plan.json").read_text())
-    command = plan["nodes"][0]["native"]["command"]
-    assert command["argv"][0] == "mpirun" and plan["nodes"][1]["native"]["command"] is None
+    if mode == "native":
+        assert (run_dir / "logs" / "launcher.log").exists()  # node 0 ran the tool
+        command = plan["nodes"][0]["native"]["command"]
+        assert command["argv"][0] == ("srun" if launcher == "slurm" else "mpirun")
+        assert plan["nodes"][1]["native"]["command"] is None
+    else:
+        assert not (run_dir / "logs" / "launcher.log").exists() and plan["nodes"][0]["native"] is None
     _assert_clean(detail["id"])
 
 
@@ -128,9 +139,12 @@ def _resume_and_finish(orch, job_id: str, steps: int, *extra: str) -> dict:
     return done
 
 
-def test_native_mpirun_rank_killed_is_detected_and_resumable(mpi_hosts, orch, write_spec, tmp_path) -> None:
+@pytest.mark.parametrize("launcher", ["openmpi", "slurm"])
+def test_native_rank_killed_is_detected_and_resumable(launcher, mpi_hosts, slurm_cluster, orch, write_spec,
+                                                      tmp_path) -> None:
     steps, interval = 60, 10
-    spec = _spec(write_spec, mpi_hosts, tmp_path, "openmpi", steps=steps, interval=interval, name="native-kill")
+    spec = _spec(write_spec, mpi_hosts, tmp_path, launcher, steps=steps, interval=interval, name=f"kill-{launcher}",
+                 cluster=slurm_cluster if launcher == "slurm" else None)
     proc = orch.popen("run", str(spec))
     try:
         job_id = wait_for(lambda: (orch.json("list") or [{}])[0].get("id"), 60, "the job")
@@ -146,7 +160,7 @@ def test_native_mpirun_rank_killed_is_detected_and_resumable(mpi_hosts, orch, wr
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     cause = orch.json("status", job_id)["cause"]
-    print(f"\n[native mpirun] rank 1 SIGKILLed: FAILED after {detect_s:.2f} s; cause: {cause['message']}")
+    print(f"\n[native {launcher}] rank 1 SIGKILLed: FAILED after {detect_s:.2f} s; cause: {cause['message']}")
     assert cause["kind"] == "rank_exit" and cause["global_rank"] == 1 and "SIGKILL" in cause["message"], cause
     assert detect_s < 5
     _assert_clean(job_id)
@@ -154,11 +168,13 @@ def test_native_mpirun_rank_killed_is_detected_and_resumable(mpi_hosts, orch, wr
     _assert_clean(job_id)
 
 
-def test_native_mpirun_host_lost_is_detected_and_resumes_on_the_spare(mpi_hosts, orch, write_spec,
-                                                                      tmp_path) -> None:
+@pytest.mark.parametrize("launcher", ["openmpi", "slurm"])
+def test_native_host_lost_is_detected_and_resumes_on_the_spare(launcher, mpi_hosts, slurm_cluster, orch, write_spec,
+                                                               tmp_path) -> None:
     steps, interval, victim = 60, 10, 1
     net = mpi_hosts[0]
-    spec = _spec(write_spec, mpi_hosts, tmp_path, "openmpi", steps=steps, interval=interval, name="native-lost")
+    spec = _spec(write_spec, mpi_hosts, tmp_path, launcher, steps=steps, interval=interval, name=f"lost-{launcher}",
+                 cluster=slurm_cluster if launcher == "slurm" else None)
     proc = orch.popen("run", str(spec))
     try:
         job_id = wait_for(lambda: (orch.json("list") or [{}])[0].get("id"), 60, "the job")
@@ -172,10 +188,11 @@ def test_native_mpirun_host_lost_is_detected_and_resumes_on_the_spare(mpi_hosts,
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-        net.reset()
+        net.reset()  # which kills every slurmd too
+        slurm_cluster.restart_dead()
     detail = orch.json("status", job_id)
     cause = detail["cause"]
-    print(f"\n[native mpirun] host {net.names[victim]} killed: FAILED after {detect_s:.2f} s; "
+    print(f"\n[native {launcher}] host {net.names[victim]} killed: FAILED after {detect_s:.2f} s; "
           f"cause: {cause['message']}")
     assert cause["kind"] == "node_lost" and cause["node"] == net.names[victim], cause
     assert detect_s < 5
