@@ -330,3 +330,47 @@ def running_server(orch: Orch, *args: str):
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
             proc.wait(60)
+
+
+# --------------------------------------------------------------------------- MPI and Slurm test hosts
+# (tests/helpers_mpi.py, tests/slurmcluster.py)
+
+@pytest.fixture(scope="module")
+def mpi_net():
+    """4 namespace hosts with their own hostnames (the 4th a spare the hostfile of ``mpi_hosts`` leaves
+    out): mpi_discovery's LOCAL_RANK counts earlier ranks with the same processor name (the hostname)."""
+    net = start_test_network(4, own_hostnames=True)
+    try:
+        yield net
+    finally:
+        net.close()
+
+
+@pytest.fixture(scope="module")
+def mpi_hosts(mpi_net, tmp_path_factory):
+    """``(net, bin dir with an ssh that uses the test hosts' config, hostfile of hosts 0-2)``."""
+    net3 = mpi_net
+    tmp = tmp_path_factory.mktemp("mpi")
+    bin_dir = tmp / "bin"
+    bin_dir.mkdir()
+    ssh = bin_dir / "ssh"
+    ssh.write_text(f'#!/bin/sh\nexec /usr/bin/ssh -F {net3.ssh_config} "$@"\n')
+    ssh.chmod(0o755)
+    hostfile = tmp / "hostfile"
+    from helpers_mpi import SLOTS
+    hostfile.write_text("".join(f"{name} slots={SLOTS}\n" for name in net3.names[:3]))
+    return net3, bin_dir, hostfile
+
+
+@pytest.fixture(scope="module")
+def slurm_cluster(mpi_net):
+    """A real Slurm cluster (tests/slurmcluster.py) with a slurmd on every host of ``mpi_net``."""
+    import slurmcluster
+    try:
+        cluster = slurmcluster.SlurmCluster(mpi_net).start()
+    except slurmcluster.SlurmError as err:
+        pytest.fail(f"cannot start the Slurm test cluster: {err}", pytrace=False)
+    try:
+        yield cluster
+    finally:
+        cluster.close()

@@ -227,7 +227,7 @@ def test_resume_of_a_running_job_says_what_to_do(orch, write_spec, hostfile, tmp
     ({}, "node-0 lots=2\n", ["Line 1", "node-0 lots=2", "<host> slots=<n>"]),
     ({}, "node-0 slots=2\nnode-1 slots=0\n", ["node-1 (line 2)", "slots=0", "hostfile"]),
     ({"exclude": "node-0@node-1"}, TWO_BY_TWO, ["No slot of hostfile", "exclude 'node-0@node-1'"]),
-    ({"provisioner": "k8s"}, TWO_BY_TWO, ["provisioner", "'k8s'", "'local', 'ssh' or 'ray'"]),
+    ({"provisioner": "k8s"}, TWO_BY_TWO, ["provisioner", "'k8s'", "'local', 'ssh', 'ray' or 'slurm'"]),
 ])
 def test_bad_input_is_one_clear_message_and_starts_nothing(orch, write_spec, hostfile, fields, hostfile_text,
                                                           needles) -> None:

@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 from conftest import assert_no_leftovers
 
-from helpers_mpi import SLOTS, mpi_hosts, mpi_net, mpich_mpi4py_env, slurm_cluster  # noqa: F401  (fixtures)
+from helpers_mpi import SLOTS, mpich_mpi4py_env
 from orchestrator.launchers import LaunchContext, get_launcher
 from orchestrator.launchers.deepspeed import pdsh_exports
 from orchestrator.launchers.slurm import compress_hostlist

@@ -23,7 +23,7 @@ import psutil
 import pytest
 from conftest import ROOT, assert_no_leftovers, job_processes, wait_for
 
-from helpers_mpi import mpi_hosts, mpi_net, native_args, slurm_cluster  # noqa: F401  (fixtures)
+from helpers_mpi import native_args
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import helpers_train  # noqa: E402

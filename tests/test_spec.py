@@ -124,7 +124,7 @@ def test_cross_field_problems_point_at_their_lines(project: Path) -> None:
 
 def test_what_this_version_cannot_run_is_a_spec_problem(project: Path) -> None:
     p = _write(project, "name: demo\nentrypoint: train.py\nprovisioner: k8s\n")
-    with pytest.raises(SpecError, match=r"provisioner \(line 3\): Input should be 'local', 'ssh' or 'ray'; got 'k8s'"):
+    with pytest.raises(SpecError, match=r"provisioner \(line 3\): Input should be 'local', 'ssh', 'ray' or 'slurm'; got 'k8s'"):
         load_spec(p)
 
 

@@ -3,7 +3,8 @@
 ``get_provisioner(name)`` returns the provisioner a spec names. ``local`` (the embedded
 default) runs every node's agent as a subprocess of the controller on this machine;
 ``ssh`` starts each node's agent over SSH (paramiko); ``ray`` places each node's agent as a
-Ray actor pinned to that node.
+Ray actor pinned to that node; ``slurm`` runs each node's agent as an ``srun`` step of the
+allocation orch runs in.
 
 May import: ``orchestrator.errors``, ``launchers``, ``spec``, ``planning``, and ``agents`` (the agent
 process they start, its message link, the marker sweep).
@@ -42,5 +43,9 @@ def get_provisioner(name: str, spec: "JobSpec | None" = None, look_only: bool = 
         from .ray import RayProvisioner
         return RayProvisioner(spec.ray if spec is not None else RayOptions(), spec.python if spec is not None else None,
                               look_only=look_only)
+    if name == "slurm":
+        from .slurm import SlurmProvisioner
+        return SlurmProvisioner(tuple(spec.slurm.srun_args) if spec is not None else (),
+                                spec.python if spec is not None else None)
     raise ProvisionError(f"provisioner '{name}' is not available in this version of orch; "
                          "use provisioner: local")

@@ -30,7 +30,7 @@ __all__ = ["JobSpec", "SSHOptions", "RayOptions", "load_spec", "spec_from_dict",
            "KNOWN_LAUNCHERS", "PreflightOptions", "pass_through", "env_pattern_problem"]
 
 #: Provisioners a spec may name (each is implemented in ``orchestrator.provisioners``).
-PROVISIONERS = ("local", "ssh", "ray")
+PROVISIONERS = ("local", "ssh", "ray", "slurm")
 #: DeepSpeed's multinode launchers (deepspeed.launcher.constants + Accelerate's ``standard``
 #: and ``nossh``); which of them orch can run is decided by ``orchestrator.launchers``.
 KNOWN_LAUNCHERS = ("pdsh", "standard", "nossh", "openmpi", "mvapich", "mpich", "impi", "slurm")
@@ -80,6 +80,15 @@ class RayOptions(BaseModel):
                          "cluster `ray start` made here (or $RAY_ADDRESS); host:port: that cluster's GCS; "
                          "ray://host:port: through Ray Client.")
     connect_timeout: float = Field(30.0, gt=0, le=600, description="Seconds to reach the cluster.")
+
+
+class SlurmOptions(BaseModel):
+    """How the ``slurm`` provisioner starts the agents inside the job's allocation (the spec's ``slurm``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    srun_args: list[str] = Field(default_factory=list, description="More arguments of every agent's srun step "
+                                 "(e.g. [--mpi=none]); orch sets --nodes, --ntasks, --nodelist, --overlap itself.")
 
 
 class PreflightOptions(BaseModel):
@@ -163,7 +172,7 @@ class JobSpec(BaseModel):
     exclude: str = Field("", description="DeepSpeed --exclude filter.")
     num_nodes: int = Field(-1, ge=-1, description="Use the first N hosts; -1: all.")
     num_gpus: int = Field(-1, ge=-1, description="Use slots 0..N-1 on each host; -1: all.")
-    provisioner: Literal["local", "ssh", "ray"] = "local"
+    provisioner: Literal["local", "ssh", "ray", "slurm"] = "local"
     launcher: Literal["pdsh", "standard", "nossh", "openmpi", "mvapich", "mpich", "impi", "slurm"] = "pdsh"
     launcher_args: list[str] = Field(default_factory=list, description="The launcher's own arguments "
                                      "(DeepSpeed's --launcher_args): a string, split as a shell would "
@@ -212,6 +221,7 @@ class JobSpec(BaseModel):
                                        "stacks dumped first; null: never.")
     ssh: SSHOptions = Field(default_factory=SSHOptions)
     ray: RayOptions = Field(default_factory=RayOptions)
+    slurm: SlurmOptions = Field(default_factory=SlurmOptions)
     restart: RestartPolicy = Field(default_factory=RestartPolicy)
     preflight: PreflightOptions = Field(default_factory=PreflightOptions)
     exclude_hosts: list[str] = Field(default_factory=list, description="Hosts never to use (e.g. lost "

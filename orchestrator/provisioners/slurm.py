@@ -1,0 +1,195 @@
+"""The slurm provisioner: inside a Slurm allocation, every node's agent is an ``srun`` step on it.
+
+``orch run``/``orch server`` runs where ``salloc`` or an ``sbatch`` script put it (``SLURM_JOB_ID``
+set). The pool, when the spec names no hostfile, is the allocation: ``SLURM_JOB_NODELIST``
+expanded by ``scontrol show hostnames`` (the real tool), each node's slots its GPUs
+(``SLURM_GPUS_PER_NODE``) or else its tasks (``SLURM_TASKS_PER_NODE``); a hostfile and the
+include/exclude filters apply on top, and every host left must belong to the allocation.
+
+Each node's agent is one step of that job::
+
+    srun --jobid=<job> --nodes=1 --ntasks=1 --nodelist=<host> --overlap --export=ALL --unbuffered
+         --job-name=orch-agent-<attempt>-<node rank> --chdir=<workdir> <slurm.srun_args>
+         <python> -u -m agents.agent
+
+whose stdin/stdout srun carries, so the controller talks to it as to a local agent (one step per
+agent: srun gives each step one stdin). ``--overlap`` lets the ranks' own step (``launcher: slurm``
+native) share the CPUs and GPUs the agents' steps hold. A node Slurm takes away (``scontrol update
+state=DOWN``, a failed node) kills its agent's step: the link closes and the attempt fails with
+``node_lost``, as with any provisioner. Preemption (``SIGTERM`` to the steps) makes every agent stop
+its ranks and say why. Submitting from outside an allocation (``sbatch`` by orch) is not available
+yet: the provisioner refuses with a clear message.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+from typing import Mapping
+
+from agents.ranks import kill_marked
+
+from ..errors import ProvisionError
+from ..launchers.slurm import parse_tasks_per_node
+from ..planning import JobPlan, NodePlan, ResourcePool
+from .base import AgentHandle, Provisioner
+from .local import LocalAgent
+
+__all__ = ["SlurmProvisioner", "allocation_nodes"]
+
+_TIMEOUT_S = 30.0
+
+
+def _run(argv: list[str], env: Mapping[str, str]) -> str:
+    try:
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=_TIMEOUT_S, env=dict(env))
+    except FileNotFoundError:
+        raise ProvisionError(f"provisioner slurm: {argv[0]} is not on PATH (Slurm's client commands are needed "
+                             "on the machine orch runs on)") from None
+    except subprocess.TimeoutExpired:
+        raise ProvisionError(f"provisioner slurm: {' '.join(argv)} did not answer within {_TIMEOUT_S:.0f} s "
+                             "(is slurmctld reachable?)") from None
+    if r.returncode != 0:
+        raise ProvisionError(f"provisioner slurm: {' '.join(argv)} failed: {r.stderr.strip() or r.returncode}")
+    return r.stdout
+
+
+def allocation_nodes(env: Mapping[str, str]) -> "collections.OrderedDict[str, int]":
+    """The allocation's nodes and their slots, in Slurm's order.
+
+    Slots: ``SLURM_GPUS_PER_NODE`` (``4`` or ``gpu:4``, every node) when the job asked for GPUs,
+    else ``SLURM_TASKS_PER_NODE`` (``2(x3),1``), else 1 per node.
+
+    Raises:
+        ProvisionError: not inside an allocation, or Slurm's variables do not fit each other.
+    """
+    nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+    if not env.get("SLURM_JOB_ID") or not nodelist:
+        raise ProvisionError("provisioner slurm runs inside a Slurm allocation (salloc, or an sbatch script): "
+                             "SLURM_JOB_ID/SLURM_JOB_NODELIST are not set here. Submitting from a login node is not "
+                             "available yet; run `salloc -N <nodes> orch run job.yaml`.")
+    hosts = _run(["scontrol", "show", "hostnames", nodelist], env).split()
+    gpus = env.get("SLURM_GPUS_PER_NODE", "").rsplit(":", 1)[-1]
+    if gpus.isdigit() and int(gpus) > 0:
+        counts = [int(gpus)] * len(hosts)
+    elif env.get("SLURM_TASKS_PER_NODE"):
+        try:
+            counts = parse_tasks_per_node(env["SLURM_TASKS_PER_NODE"])
+        except ValueError as err:
+            raise ProvisionError(f"provisioner slurm: SLURM_TASKS_PER_NODE: {err}") from None
+    else:
+        counts = [1] * len(hosts)
+    if len(counts) != len(hosts):
+        raise ProvisionError(f"provisioner slurm: SLURM_TASKS_PER_NODE gives {len(counts)} node(s) but "
+                             f"SLURM_JOB_NODELIST {nodelist} has {len(hosts)}")
+    return collections.OrderedDict(zip(hosts, counts))
+
+
+class SlurmProvisioner(Provisioner):
+    """Agents as ``srun`` steps of the allocation orch runs in (module docstring).
+
+    Args:
+        srun_args: the spec's ``slurm.srun_args``.
+        python: the agents' interpreter (the spec's ``python``, else this one).
+        env: the environment to read the allocation from and to run srun with (default: os.environ).
+    """
+
+    name = "slurm"
+    max_parallel = 32
+
+    def __init__(self, srun_args: tuple[str, ...] = (), python: str | None = None,
+                 env: Mapping[str, str] | None = None) -> None:
+        self.srun_args = tuple(srun_args)
+        self.python = python or sys.executable
+        self.env = dict(os.environ if env is None else env)
+        self._nodes: collections.OrderedDict[str, int] | None = None
+
+    def nodes(self) -> "collections.OrderedDict[str, int]":
+        """The allocation's nodes (read once)."""
+        if self._nodes is None:
+            self._nodes = allocation_nodes(self.env)
+        return self._nodes
+
+    def discover(self) -> "collections.OrderedDict[str, int]":
+        """The allocation, as the pool when the spec names no hostfile."""
+        return collections.OrderedDict(self.nodes())
+
+    def check(self, pool: ResourcePool) -> None:
+        """Every host of the pool must belong to the allocation.
+
+        Raises:
+            ProvisionError: naming the hosts outside it.
+        """
+        outside = [h for h in pool.hosts if h not in self.nodes()]
+        if outside:
+            raise ProvisionError(f"provisioner slurm: host(s) {', '.join(outside)} are not in allocation "
+                                 f"{self.env.get('SLURM_JOB_ID')} (its nodes: {', '.join(self.nodes())})")
+
+    def master_addr(self, host: str) -> str:
+        """Node 0's address as this machine resolves it."""
+        try:
+            return socket.gethostbyname(host)
+        except OSError:
+            return host
+
+    def start_agent(self, node: NodePlan, plan: JobPlan,
+                    events: "queue.Queue[tuple[int, dict]]") -> AgentHandle:
+        """Start ``node``'s agent as a step on its host.
+
+        Raises:
+            ProvisionError: srun cannot be started.
+        """
+        log_dir = os.path.join(plan.run_dir, "agents")
+        os.makedirs(log_dir, exist_ok=True)
+        log_path = os.path.join(log_dir, f"node-{node.node_rank}.log")
+        env = {k: v for k, v in self.env.items() if not k.startswith("ORCH_")}
+        env["ORCH_AGENT_ATTEMPT_ID"] = plan.attempt_id
+        env["ORCH_AGENT_NODE_RANK"] = str(node.node_rank)
+        env["ORCH_AGENT_SLURM_STEP"] = "1"  # the agent drops its step's own SLURM_* for the ranks
+        env["SLURM_OVERLAP"] = "1"  # srun's --overlap for every step started from the nodes (native srun)
+        argv = ["srun", f"--jobid={self.env['SLURM_JOB_ID']}", "--nodes=1", "--ntasks=1", f"--nodelist={node.host}",
+                "--overlap", "--export=ALL", "--unbuffered", f"--job-name={self.step_name(plan, node.node_rank)}",
+                f"--chdir={node.workdir}", *self.srun_args, self.python, "-u", "-m", "agents.agent"]
+        try:
+            with open(log_path, "ab") as log:
+                proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env,
+                                        start_new_session=True)
+        except OSError as err:
+            raise ProvisionError(f"Cannot start the agent's srun step on {node.host} (node {node.node_rank}): "
+                                 f"{err.strerror or err}.", reason=f"cannot run srun: {err.strerror or err}") from err
+        return _StepAgent(node, proc, events, log_path)
+
+    @staticmethod
+    def step_name(plan: JobPlan, node_rank: int) -> str:
+        """The agent step's name (``squeue -s`` shows it)."""
+        return f"orch-agent-{plan.attempt_id}-{node_rank}"
+
+    def sweep(self, plan: JobPlan) -> list[int]:
+        """Cancel the attempt's agent steps still known to Slurm, and kill marked processes here."""
+        try:
+            out = _run(["squeue", "-h", "-s", "-j", self.env["SLURM_JOB_ID"], "-o", "%i %j"], self.env)
+        except ProvisionError:
+            out = ""
+        steps = [line.split()[0] for line in out.splitlines()
+                 if len(line.split()) == 2 and line.split()[1].startswith(f"orch-agent-{plan.attempt_id}-")]
+        if steps:
+            subprocess.run(["scancel", *steps], capture_output=True, timeout=_TIMEOUT_S, env=self.env)
+        return kill_marked(plan.attempt_id) + kill_marked(plan.attempt_id, key="ORCH_AGENT_ATTEMPT_ID")
+
+
+class _StepAgent(LocalAgent):
+    """An agent whose process here is its srun: SIGTERM first (srun forwards it and ends the step)."""
+
+    def kill(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except (ProcessLookupError, PermissionError):
+                return
+            if self.wait(3.0):
+                return

@@ -1,0 +1,116 @@
+"""Integration: ``provisioner: slurm`` inside a real Slurm allocation (tests/slurmcluster.py).
+
+``salloc -N 4 --ntasks-per-node=1 --no-kill orch run job.yaml`` on the test cluster (four namespace
+hosts, each with a slurmd): the pool is the allocation (no hostfile), ``num_nodes: 3`` leaves the
+fourth as a spare, and every node's agent is an ``srun`` step of the allocation. Shown: ZeRO-2
+training to completion (ranks under the pdsh and the slurm launcher, and native srun); a node set
+DOWN by ``scontrol`` mid-training is a node loss, nothing is left behind, and ``orch resume
+--exclude`` inside a new allocation finishes on the spare; outside an allocation the provisioner
+says how to get one.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, assert_no_leftovers, wait_for
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import helpers_train  # noqa: E402
+
+pytestmark = pytest.mark.integration
+
+EXAMPLES = ROOT / "examples"
+TINY = ["--n-layer", "1", "--d-model", "32", "--n-head", "2", "--seq-len", "32", "--corpus-bytes", "200000",
+        "--log-interval", "0"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ds_ops() -> None:
+    helpers_train.prebuild_ops()
+
+
+def _spec(write_spec, tmp_path: Path, *, launcher: str, steps: int, interval: int = 0, name: str, **extra) -> Path:
+    config = json.loads((EXAMPLES / "ds_zero2.json").read_text())
+    config["train_micro_batch_size_per_gpu"] = 4
+    fields = dict(name=name, provisioner="slurm", num_nodes=3, launcher=launcher, workdir=str(EXAMPLES),
+                  entrypoint="train_gpt.py", args=["--steps", str(steps), "--checkpoint-interval", str(interval), *TINY],
+                  deepspeed_config=config, checkpoint_dir=str(tmp_path / f"ckpt-{name}"), stop_grace_seconds=5,
+                  env={"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}, env_passthrough=["TORCH_EXTENSIONS_DIR"])
+    fields.update(extra)
+    return write_spec(**fields)
+
+
+def _salloc(cluster, orch, *args: str, nodes: int = 4) -> list[str]:
+    return ["salloc", "-N", str(nodes), "--ntasks-per-node=1", "--no-kill", *orch.cmd(*args)]
+
+
+@pytest.mark.parametrize("launcher,mode", [("pdsh", "emulated"), ("slurm", "emulated"), ("slurm", "native")])
+def test_inside_an_allocation_trains(launcher, mode, slurm_cluster, orch, write_spec, tmp_path) -> None:
+    spec = _spec(write_spec, tmp_path, launcher=launcher, steps=20, name=f"alloc-{launcher}-{mode}", launch_mode=mode)
+    r = slurm_cluster.run(_salloc(slurm_cluster, orch, "run", str(spec), "--output", "json"), timeout=400,
+                          check=False, env=orch.env())
+    detail = json.loads(r.stdout)
+    assert r.returncode == 0 and detail["state"] == "SUCCEEDED", (detail.get("cause"), r.stderr[-3000:])
+    assert detail["nodes"] == slurm_cluster.names[:3]  # the allocation, in Slurm's order; the 4th a spare
+    run_dir = Path(detail["run_dir"])
+    losses = helpers_train.attempt_losses(run_dir)
+    assert [max(s for (r_, s) in losses if r_ == rank) for rank in range(3)] == [20, 20, 20]
+    log = (run_dir / "logs" / "rank-1.log").read_text()
+    assert "Traceback" not in log
+    assert_no_leftovers(detail["id"], timeout=15)
+
+
+def test_node_set_down_is_a_node_loss_and_resumes_on_the_spare(slurm_cluster, orch, write_spec, tmp_path) -> None:
+    steps, interval, victim = 60, 10, 1
+    spec = _spec(write_spec, tmp_path, launcher="pdsh", steps=steps, interval=interval, name="alloc-down")
+    proc = subprocess.Popen(_salloc(slurm_cluster, orch, "run", str(spec)), env={**slurm_cluster.env, **orch.env()},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    down = slurm_cluster.names[victim]
+    try:
+        job_id = wait_for(lambda: (orch.json("list") or [{}])[0].get("id"), 60, "the job")
+
+        def past() -> bool:
+            d = orch.json("status", job_id)
+            assert d["state"] not in ("FAILED", "SUCCEEDED"), d.get("cause")
+            if d["state"] != "RUNNING":
+                return False
+            losses = helpers_train.attempt_losses(Path(d["run_dir"]))
+            return min(max((s for (r_, s) in losses if r_ == rank), default=0) for rank in range(3)) > interval + 2
+        wait_for(past, 180, "training past the first checkpoint", interval=0.3)
+        t0 = time.monotonic()
+        slurm_cluster.set_state(down, "DOWN", "orch test")
+        wait_for(lambda: orch.json("status", job_id)["state"] == "FAILED", 60, "FAILED", interval=0.1)
+        detect_s = time.monotonic() - t0
+        proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    detail = orch.json("status", job_id)
+    print(f"\n[slurm provisioner] {down} set DOWN: FAILED after {detect_s:.2f} s; cause: {detail['cause']['message']}")
+    assert detail["cause"]["kind"] == "node_lost" and detail["cause"]["node"] == down, detail["cause"]
+    assert_no_leftovers(job_id, timeout=15)
+    if slurm_cluster.node_state(down).startswith(("down", "drain")):  # ReturnToService=2 may have done it
+        slurm_cluster.set_state(down, "RESUME")
+    slurm_cluster.wait_idle(60)
+    r = slurm_cluster.run(["salloc", "-N", "3", "--ntasks-per-node=1", "--no-kill", "-x", down,
+                           *orch.cmd("resume", job_id, "--exclude", down)], timeout=400, check=False, env=orch.env())
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    done = orch.json("status", job_id)
+    assert done["state"] == "SUCCEEDED" and done["attempts"][1]["nodes"] == [
+        slurm_cluster.names[0], slurm_cluster.names[2], slurm_cluster.names[3]]
+    assert int(done["attempts"][1]["resume_tag"].removeprefix("step_")) >= interval
+
+
+def test_outside_an_allocation_says_how_to_get_one(orch, write_spec, tmp_path) -> None:
+    spec = _spec(write_spec, tmp_path, launcher="pdsh", steps=1, name="no-alloc")
+    env = {k: v for k, v in orch.env().items() if not k.startswith("SLURM_")}
+    r = orch("plan", str(spec), env=env, replace_env=True)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    err = " ".join(r.stderr.split())
+    assert "runs inside a Slurm allocation" in err and "salloc -N <nodes> orch run job.yaml" in err, r.stderr
