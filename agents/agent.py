@@ -36,7 +36,7 @@ import threading
 import time
 from typing import Any
 
-from . import network
+from . import devices, network
 from .adopted import SHIM, AdoptedRank, write_plans
 from .link import MessageReader, MessageWriter
 from .ranks import RankProcess, become_subreaper, describe_returncode, kill_descendants, kill_marked, stop_all
@@ -191,7 +191,9 @@ class Agent:
         return choice
 
     def _rank_env(self, r: dict, choice: network.Choice) -> dict[str, str]:
+        """The rank's environment (raises ValueError: its slots are not among the node's assigned devices)."""
         env = rank_env(self.base_env, self.node, r)
+        env.update(devices.map_rank_env(r["env"], self.base_env, self.node["host"]))
         for key, value in choice.sets.items():
             env.setdefault(key, value)  # the user's own value wins
         env.update(self.metrics.rank_env(r["global_rank"]))
@@ -202,8 +204,13 @@ class Agent:
         choice = self._choose_network()
         if self.native:
             return self._start_native(choice)
-        for r in self.node["ranks"]:
-            env = self._rank_env(r, choice)
+        try:
+            envs = [self._rank_env(r, choice) for r in self.node["ranks"]]
+        except ValueError as err:
+            self.writer.send({"type": "spawn_failed", "global_rank": self.node["ranks"][0]["global_rank"],
+                              "error": str(err)})
+            return False
+        for r, env in zip(self.node["ranks"], envs):
             proc = RankProcess(r["global_rank"], r["argv"], env, self.node["workdir"],
                                os.path.join(log_dir, f"rank-{r['global_rank']}.log"))
             try:
@@ -225,6 +232,10 @@ class Agent:
         try:
             write_plans(log_dir, self.node["host"], self.node["workdir"], world,
                         [(r["global_rank"], r["local_rank"], self._rank_env(r, choice)) for r in self.node["ranks"]])
+        except ValueError as err:
+            self.writer.send({"type": "spawn_failed", "global_rank": self.node["ranks"][0]["global_rank"],
+                              "error": str(err)})
+            return False
         except OSError as err:
             self.writer.send({"type": "spawn_failed", "global_rank": self.node["ranks"][0]["global_rank"],
                               "error": f"cannot write the ranks' plans in {log_dir}: {err}"})

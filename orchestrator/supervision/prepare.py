@@ -16,11 +16,11 @@ import shutil
 import sys
 from pathlib import Path
 
-from agents import network
+from agents import devices, network
 from agents.agent import rank_env
 
 from ..checkpoints.detect import detect_format, get_format
-from ..errors import FilterError, HostfileError, SpecError
+from ..errors import FilterError, HostfileError, PlanError, SpecError
 from ..launchers.deepspeed import ACCELERATOR_EXPORT_PREFIXES, deepspeed_env_files
 from ..planning import JobPlan, PlanInputs, ResourcePool, load_hostfile, make_plan, resolve_pool
 from ..provisioners import Provisioner, get_provisioner
@@ -148,6 +148,7 @@ def prepare_plan(spec: JobSpec, state_dir: str | Path, job_id: str, *, attempt: 
     provisioner = get_provisioner(spec.provisioner, spec, look_only=not hold_port)
     pool = _pool(spec, provisioner)
     provisioner.check(pool)
+    _check_assigned_devices(spec, pool)
     if attempt == 1:  # a restart that has just used the spare must still run
         _check_restart_policy(spec, provisioner, pool)
     job_ds = job_deepspeed(spec, [len(slots) for _, slots in pool.nodes], os.environ)  # resolved for this world
@@ -176,6 +177,24 @@ def prepare_plan(spec: JobSpec, state_dir: str | Path, job_id: str, *, attempt: 
     except BaseException:
         lease.release()
         raise
+
+
+def _check_assigned_devices(spec: JobSpec, pool: ResourcePool) -> None:
+    """Local agents' node environment is this one: slots past its CUDA_VISIBLE_DEVICES are refused now
+    (other provisioners' agents check their node's own, before any rank starts: agents.devices).
+
+    Raises:
+        PlanError: a node uses a slot the assigned devices do not have.
+    """
+    assigned = devices.assigned(os.environ) if spec.provisioner == "local" else None
+    if assigned is None:
+        return
+    for host, slots in pool.nodes:
+        if slots and max(slots) >= len(assigned):
+            raise PlanError(f"{host} uses slot(s) {','.join(map(str, slots))}, but CUDA_VISIBLE_DEVICES="
+                            f"{os.environ['CUDA_VISIBLE_DEVICES']} (set before orch started, by the scheduler or you) "
+                            f"gives this machine {len(assigned)} device(s): slots are positions in that list "
+                            f"(0..{len(assigned) - 1}); use fewer slots or a filter within them.")
 
 
 def _check_restart_policy(spec: JobSpec, provisioner: Provisioner, pool: ResourcePool) -> None:
@@ -237,8 +256,10 @@ def _pool(spec: JobSpec, provisioner: Provisioner) -> ResourcePool:
             hosts.pop(host, None)
         if not hosts:
             raise FilterError(f"exclude_hosts leaves no host of {source}.")
-    else:
-        hosts = collections.OrderedDict(localhost=spec.num_gpus if spec.num_gpus > 0 else 1)
+    else:  # DeepSpeed's runner: the devices CUDA_VISIBLE_DEVICES leaves this machine, else num_gpus, else 1
+        assigned = devices.assigned(os.environ) if spec.provisioner == "local" else None
+        count = spec.num_gpus if spec.num_gpus > 0 else len(assigned) if assigned else 1
+        hosts = collections.OrderedDict(localhost=count)
         source = "<no hostfile: localhost>"
     pool = resolve_pool(hosts, spec.include, spec.exclude, spec.num_nodes, spec.num_gpus, source=source)
     empty = [host for host, slots in pool.nodes if not slots]

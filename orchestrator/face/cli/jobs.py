@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import time
 
 from rich.table import Table
 from rich.text import Text
+
+from agents import devices
 
 from .backends import HttpBackend, StoreBackend, find_server, pick_backend, state_dir_of
 from .follow import follow_embedded
@@ -48,11 +51,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
     ranks = Table(title="Ranks", box=None, title_justify="left", pad_edge=False)
     for col in ("rank", "node", "local rank", "slot", "rank's own environment", "command line"):
         ranks.add_column(col, overflow="fold")
+    here = os.environ if plan.provisioner == "local" else {}  # local agents' node environment is this one
     for (n, r), env in zip(pairs, envs):
         own = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(env.items()) if k not in common)
-        ranks.add_row(str(r.global_rank), f"{n.host} ({n.node_rank})", str(r.local_rank), str(r.slot), own,
+        physical = devices.describe(here, [r.slot])
+        slot = f"{r.slot} (device {physical[0]})" if physical else str(r.slot)
+        ranks.add_row(str(r.global_rank), f"{n.host} ({n.node_rank})", str(r.local_rank), slot, own,
                       shlex.join(r.argv))
     c.print(ranks)
+    c.print(devices_line(plan, here), markup=False, highlight=False, soft_wrap=True)
     defaults = {k: v for n in plan.nodes for k, v in n.env_defaults.items()}
     if defaults:
         c.print("Set where a node's environment lacks them: " +
@@ -86,6 +93,18 @@ def cmd_plan(args: argparse.Namespace) -> int:
     for w in plan.warnings:
         err_console.print(Text(f"warning: {w}", style="yellow"))
     return 0
+
+
+def devices_line(plan, here) -> str:
+    """How slots become devices: positions in a node's own CUDA_VISIBLE_DEVICES (the scheduler's), if set."""
+    assigned = devices.assigned(here)
+    if assigned is not None:
+        return (f"devices: CUDA_VISIBLE_DEVICES={','.join(assigned)} on this machine (the scheduler's or yours): slot k "
+                "is its k-th device, and every rank's CUDA_VISIBLE_DEVICES is mapped to those")
+    if plan.provisioner == "local":
+        return "devices: slot k is device k (no CUDA_VISIBLE_DEVICES here)"
+    return ("devices: on a node whose environment has CUDA_VISIBLE_DEVICES (set by the scheduler), slot k is its k-th "
+            "device; elsewhere device k")
 
 
 def checkpoints_line(spec, plan) -> str:

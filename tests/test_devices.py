@@ -1,0 +1,69 @@
+"""Devices the scheduler assigned (CUDA_VISIBLE_DEVICES set before orch starts): slots index into them.
+
+Pure tests of agents/devices.py, and ``orch run`` of the probe (tests/probe.py) on two local "nodes"
+with ``CUDA_VISIBLE_DEVICES=4,5`` in the environment orch starts with (local agents' node environment
+is the controller's): every rank's CUDA_VISIBLE_DEVICES names devices 4 and 5, never 0 and 1, for
+launch.py's semantics (pdsh) and for an MPI launcher (whose ranks inherit the list and index it by
+LOCAL_RANK); ``orch plan`` shows each slot's device; a slot past the list is a clear error before
+anything starts.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from agents.devices import describe, map_rank_env
+
+PROBE = Path(__file__).with_name("probe.py")
+
+
+def test_map_rank_env():
+    node = {"CUDA_VISIBLE_DEVICES": "4,5"}
+    assert map_rank_env({"CUDA_VISIBLE_DEVICES": "0,1"}, node, "n0")["CUDA_VISIBLE_DEVICES"] == "4,5"
+    assert map_rank_env({"CUDA_VISIBLE_DEVICES": "1"}, node, "n0")["CUDA_VISIBLE_DEVICES"] == "5"
+    assert "CUDA_VISIBLE_DEVICES" not in map_rank_env({"RANK": "0"}, node, "n0")  # inherited: nothing to map
+    assert map_rank_env({"CUDA_VISIBLE_DEVICES": "0,1"}, {}, "n0")["CUDA_VISIBLE_DEVICES"] == "0,1"
+    uuids = {"CUDA_VISIBLE_DEVICES": "GPU-aa,GPU-bb"}
+    assert map_rank_env({"CUDA_VISIBLE_DEVICES": "1"}, uuids, "n0")["CUDA_VISIBLE_DEVICES"] == "GPU-bb"
+    with pytest.raises(ValueError, match=r"n0: the job uses slot\(s\) 0,1,2 .*CUDA_VISIBLE_DEVICES=4,5 .* 2 device"):
+        map_rank_env({"CUDA_VISIBLE_DEVICES": "0,1,2"}, node, "n0")
+    assert describe(node, [0, 1, 2]) == ["4", "5", "?"] and describe({}, [0]) is None
+
+
+def _run(orch, write_spec, hostfile, tmp_path, **fields):
+    out = tmp_path / "out"
+    spec = write_spec(name="dev", hostfile=str(hostfile("node-0 slots=2\nnode-1 slots=2\n")), entrypoint=str(PROBE),
+                      env={"PROBE_OUT_DIR": str(out)}, stop_grace_seconds=5, **fields)
+    r = orch("run", str(spec), "--output", "json", env={"CUDA_VISIBLE_DEVICES": "4,5"}, timeout=120)
+    return r, out
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("launcher,include,expected", [
+    ("pdsh", "", {0: "4,5", 1: "4,5", 2: "4,5", 3: "4,5"}),
+    ("pdsh", "node-0:1@node-1", {0: "5", 1: "4,5", 2: "4,5"}),
+    ("openmpi", "", {0: "4,5", 1: "4,5", 2: "4,5", 3: "4,5"}),
+])
+def test_ranks_get_the_assigned_devices(orch, write_spec, hostfile, tmp_path, launcher, include, expected):
+    r, out = _run(orch, write_spec, hostfile, tmp_path, launcher=launcher, include=include)
+    detail = json.loads(r.stdout)
+    assert r.returncode == 0 and detail["state"] == "SUCCEEDED", (detail.get("cause"), r.stderr[-2000:])
+    import probe
+    reports = probe.load_probe_outputs(str(out))
+    assert {rank: rep["env"]["CUDA_VISIBLE_DEVICES"] for rank, rep in reports.items()} == expected
+    plan = orch("plan", str(write_spec(name="dev2", hostfile=str(tmp_path / "hostfile"), entrypoint=str(PROBE),
+                                       launcher=launcher, include=include)), env={"CUDA_VISIBLE_DEVICES": "4,5"})
+    text = " ".join(plan.stdout.split())
+    assert "0 (device 4)" in text and "CUDA_VISIBLE_DEVICES=4,5 on this machine" in text, plan.stdout[-3000:]
+
+
+@pytest.mark.integration
+def test_a_slot_past_the_assigned_devices_is_refused_before_anything_starts(orch, write_spec, hostfile, tmp_path):
+    r, out = _run(orch, write_spec, hostfile, tmp_path, num_gpus=3)
+    err = " ".join(r.stderr.split())
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert "node-0 uses slot(s) 0,1,2, but CUDA_VISIBLE_DEVICES=4,5" in err and "2 device(s)" in err, err
+    assert not out.exists()
