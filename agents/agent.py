@@ -193,7 +193,9 @@ class Agent:
     def _rank_env(self, r: dict, choice: network.Choice) -> dict[str, str]:
         """The rank's environment (raises ValueError: its slots are not among the node's assigned devices)."""
         env = rank_env(self.base_env, self.node, r)
-        env.update(devices.map_rank_env(r["env"], self.base_env, self.node["host"]))
+        physical = devices.mapped(r["env"], self.base_env, self.node["host"])
+        if physical is not None:
+            env[devices.VAR] = physical
         for key, value in choice.sets.items():
             env.setdefault(key, value)  # the user's own value wins
         env.update(self.metrics.rank_env(r["global_rank"]))

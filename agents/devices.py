@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Mapping
 
-__all__ = ["VAR", "assigned", "map_rank_env", "describe"]
+__all__ = ["VAR", "assigned", "mapped", "describe"]
 
 VAR = "CUDA_VISIBLE_DEVICES"
 
@@ -27,8 +27,9 @@ def assigned(node_env: Mapping[str, str]) -> list[str] | None:
     return [d.strip() for d in value.split(",") if d.strip()]
 
 
-def map_rank_env(rank_env: Mapping[str, str], node_env: Mapping[str, str], host: str) -> dict[str, str]:
-    """The rank's environment with its ``CUDA_VISIBLE_DEVICES`` slot indices mapped to the node's devices.
+def mapped(rank_env: Mapping[str, str], node_env: Mapping[str, str], host: str) -> str | None:
+    """The rank's ``CUDA_VISIBLE_DEVICES`` with its slot indices mapped to the node's devices, or None
+    when nothing is to be mapped (the node assigns none, or the plan sets none on the rank).
 
     Args:
         rank_env: the variables the plan sets on the rank (the launcher's ``CUDA_VISIBLE_DEVICES``, if
@@ -41,19 +42,16 @@ def map_rank_env(rank_env: Mapping[str, str], node_env: Mapping[str, str], host:
             device the scheduler did not give), naming both.
     """
     devices = assigned(node_env)
-    env = dict(rank_env)
     if devices is None or VAR not in rank_env:
-        return env
+        return None
     slots = [s.strip() for s in rank_env[VAR].split(",") if s.strip()]
     try:
-        picked = [devices[int(s)] for s in slots]
+        return ",".join(devices[int(s)] for s in slots)
     except (ValueError, IndexError):
         raise ValueError(f"{host}: the job uses slot(s) {','.join(slots)} of this node, but {VAR}="
                          f"{node_env[VAR]} (set before orch started, by the scheduler or you) gives it "
                          f"{len(devices)} device(s): slots are positions in that list (0..{len(devices) - 1}); "
                          "use fewer slots or a filter within them") from None
-    env[VAR] = ",".join(picked)
-    return env
 
 
 def describe(node_env: Mapping[str, str], slots: list[int]) -> list[str] | None:

@@ -15,21 +15,20 @@ from pathlib import Path
 
 import pytest
 
-from agents.devices import describe, map_rank_env
+from agents.devices import describe, mapped
 
 PROBE = Path(__file__).with_name("probe.py")
 
 
-def test_map_rank_env():
+def test_mapped_devices():
     node = {"CUDA_VISIBLE_DEVICES": "4,5"}
-    assert map_rank_env({"CUDA_VISIBLE_DEVICES": "0,1"}, node, "n0")["CUDA_VISIBLE_DEVICES"] == "4,5"
-    assert map_rank_env({"CUDA_VISIBLE_DEVICES": "1"}, node, "n0")["CUDA_VISIBLE_DEVICES"] == "5"
-    assert "CUDA_VISIBLE_DEVICES" not in map_rank_env({"RANK": "0"}, node, "n0")  # inherited: nothing to map
-    assert map_rank_env({"CUDA_VISIBLE_DEVICES": "0,1"}, {}, "n0")["CUDA_VISIBLE_DEVICES"] == "0,1"
-    uuids = {"CUDA_VISIBLE_DEVICES": "GPU-aa,GPU-bb"}
-    assert map_rank_env({"CUDA_VISIBLE_DEVICES": "1"}, uuids, "n0")["CUDA_VISIBLE_DEVICES"] == "GPU-bb"
+    assert mapped({"CUDA_VISIBLE_DEVICES": "0,1"}, node, "n0") == "4,5"
+    assert mapped({"CUDA_VISIBLE_DEVICES": "1"}, node, "n0") == "5"
+    assert mapped({"RANK": "0"}, node, "n0") is None  # inherited: nothing to map
+    assert mapped({"CUDA_VISIBLE_DEVICES": "0,1"}, {}, "n0") is None
+    assert mapped({"CUDA_VISIBLE_DEVICES": "1"}, {"CUDA_VISIBLE_DEVICES": "GPU-aa,GPU-bb"}, "n0") == "GPU-bb"
     with pytest.raises(ValueError, match=r"n0: the job uses slot\(s\) 0,1,2 .*CUDA_VISIBLE_DEVICES=4,5 .* 2 device"):
-        map_rank_env({"CUDA_VISIBLE_DEVICES": "0,1,2"}, node, "n0")
+        mapped({"CUDA_VISIBLE_DEVICES": "0,1,2"}, node, "n0")
     assert describe(node, [0, 1, 2]) == ["4", "5", "?"] and describe({}, [0]) is None
 
 

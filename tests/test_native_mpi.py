@@ -125,6 +125,25 @@ def _rank_process(job_id: str, rank: int) -> psutil.Process:
     raise AssertionError(f"no training process of rank {rank}")
 
 
+def _fault_mid_training(orch, spec: Path, interval: int, inject) -> tuple[str, float]:
+    """``orch run`` the spec, ``inject(job_id)`` once every rank is past its first checkpoint, wait for
+    FAILED; the job's id and the seconds from the fault to FAILED."""
+    proc = orch.popen("run", str(spec))
+    try:
+        job_id = wait_for(lambda: (orch.json("list") or [{}])[0].get("id"), 60, "the job")
+        _wait_steps(orch, job_id, past=interval + 2)
+        t0 = time.monotonic()
+        inject(job_id)
+        wait_for(lambda: orch.json("status", job_id)["state"] == "FAILED", 30, "FAILED", interval=0.05)
+        detect_s = time.monotonic() - t0
+        proc.communicate(timeout=60)
+        assert proc.returncode == 1
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    return job_id, detect_s
+
+
 def _resume_and_finish(orch, job_id: str, steps: int, *extra: str) -> dict:
     r = orch("resume", job_id, *extra, timeout=400)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -145,20 +164,8 @@ def test_native_rank_killed_is_detected_and_resumable(launcher, mpi_hosts, slurm
     steps, interval = 60, 10
     spec = _spec(write_spec, mpi_hosts, tmp_path, launcher, steps=steps, interval=interval, name=f"kill-{launcher}",
                  cluster=slurm_cluster if launcher == "slurm" else None)
-    proc = orch.popen("run", str(spec))
-    try:
-        job_id = wait_for(lambda: (orch.json("list") or [{}])[0].get("id"), 60, "the job")
-        _wait_steps(orch, job_id, past=interval + 2)
-        victim = _rank_process(job_id, 1)
-        t0 = time.monotonic()
-        victim.send_signal(signal.SIGKILL)
-        wait_for(lambda: orch.json("status", job_id)["state"] == "FAILED", 30, "FAILED", interval=0.05)
-        detect_s = time.monotonic() - t0
-        proc.communicate(timeout=60)
-        assert proc.returncode == 1
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+    job_id, detect_s = _fault_mid_training(orch, spec, interval,
+                                           lambda job: _rank_process(job, 1).send_signal(signal.SIGKILL))
     cause = orch.json("status", job_id)["cause"]
     print(f"\n[native {launcher}] rank 1 SIGKILLed: FAILED after {detect_s:.2f} s; cause: {cause['message']}")
     assert cause["kind"] == "rank_exit" and cause["global_rank"] == 1 and "SIGKILL" in cause["message"], cause
@@ -175,19 +182,9 @@ def test_native_host_lost_is_detected_and_resumes_on_the_spare(launcher, mpi_hos
     net = mpi_hosts[0]
     spec = _spec(write_spec, mpi_hosts, tmp_path, launcher, steps=steps, interval=interval, name=f"lost-{launcher}",
                  cluster=slurm_cluster if launcher == "slurm" else None)
-    proc = orch.popen("run", str(spec))
     try:
-        job_id = wait_for(lambda: (orch.json("list") or [{}])[0].get("id"), 60, "the job")
-        _wait_steps(orch, job_id, past=interval + 2)
-        t0 = time.monotonic()
-        net.kill_host(victim)
-        wait_for(lambda: orch.json("status", job_id)["state"] == "FAILED", 30, "FAILED", interval=0.05)
-        detect_s = time.monotonic() - t0
-        proc.communicate(timeout=60)
-        assert proc.returncode == 1
+        job_id, detect_s = _fault_mid_training(orch, spec, interval, lambda job: net.kill_host(victim))
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
         net.reset()  # which kills every slurmd too
         slurm_cluster.restart_dead()
     detail = orch.json("status", job_id)
