@@ -19,12 +19,12 @@ from ..errors import LaunchError, PlanError
 from ..launchers import get_launcher
 from ..launchers.base import SHIM_TOKEN, LaunchContext, RealCommand
 from ..launchers.deepspeed import pdsh_exports
+from ..spec import JobSpec
+from .pool import ResourcePool
 
 #: Launchers whose real command is built by DeepSpeed's runner.py multi-node path (which exports
 #: PYTHON*, MLFLOW*, MV2*, UCX*, the accelerator's prefixes and ``.deepspeed_env`` to every node).
 DEEPSPEED_RUNNERS = ("pdsh", "openmpi", "mpich", "impi", "mvapich", "slurm")
-from ..spec import JobSpec
-from .pool import ResourcePool
 
 __all__ = ["PlanInputs", "RankPlan", "NodePlan", "JobPlan", "make_plan", "orch_env"]
 
@@ -246,9 +246,6 @@ class JobPlan:
     resume_universal_from: str | None = None
     deepspeed_autos: Mapping[str, Any] | None = None
     resume_dir: str | None = None
-    hostfile_is_pool: bool = False
-    accelerator: str = "cuda"
-    deepspeed_dir: str = ""
 
     @property
     def attempt_id(self) -> str:
