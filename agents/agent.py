@@ -87,6 +87,7 @@ class Agent:
         self.launcher: RankProcess | None = None
         self._announce: tuple[float, dict] | None = None  # native: (deadline, the `started` message)
         self._launcher_wait: float | None = None  # native, node 0: until when the tool may still run
+        self._slurm_step = os.environ.get("ORCH_AGENT_SLURM_STEP") == "1"  # the slurm provisioner's agent
 
     # -- steps ------------------------------------------------------------------------------
 
@@ -321,7 +322,8 @@ class Agent:
                 if kind == "dump":
                     threading.Thread(target=self._dump_stacks, name="stack-dumps", daemon=True).start()
             if self._signalled is not None:
-                return self._stop_on_own(f"the agent received {signal.Signals(self._signalled).name}")
+                return self._stop_on_own(f"the agent received {signal.Signals(self._signalled).name}",
+                                         taken=self._slurm_step and self._signalled == signal.SIGTERM)
             if now - last_heard > self.lease_s:
                 return self._stop_on_own(f"no word from the controller for {self.lease_s:.0f} s")
             if self.native:
@@ -387,9 +389,11 @@ class Agent:
             t.join()
         self.writer.send({"type": "dumped", "files": files, "errors": errors})
 
-    def _stop_on_own(self, reason: str) -> int:
-        """Stop without being told to: say why first, so the controller records the cause."""
-        self.writer.send({"type": "stopping", "reason": reason})
+    def _stop_on_own(self, reason: str, taken: bool = False) -> int:
+        """Stop without being told to: say why first, so the controller records the cause. ``taken``:
+        the scheduler is taking the node away (an srun step's SIGTERM: preemption, scancel, a node
+        failure), which the controller counts as a node loss."""
+        self.writer.send({"type": "stopping", "reason": reason, **({"taken_by": "slurm"} if taken else {})})
         return self._stop(reason)
 
     def _stop(self, reason: str, report: bool = True) -> int:

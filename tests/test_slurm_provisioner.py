@@ -114,3 +114,38 @@ def test_outside_an_allocation_says_how_to_get_one(orch, write_spec, tmp_path) -
     assert r.returncode == 2 and "Traceback" not in r.stderr
     err = " ".join(r.stderr.split())
     assert "runs inside a Slurm allocation" in err and "salloc -N <nodes> orch run job.yaml" in err, r.stderr
+
+
+def test_preemption_sigterm_is_a_node_loss_and_resumes(slurm_cluster, orch, write_spec, tmp_path) -> None:
+    """What Slurm does to a preempted job's steps (SIGTERM, then SIGKILL after its grace time), sent with
+    ``scancel --signal=TERM <job>``: the agents stop their ranks and the attempt fails as a node loss."""
+    steps, interval = 60, 10
+    spec = _spec(write_spec, tmp_path, launcher="pdsh", steps=steps, interval=interval, name="alloc-preempt")
+    proc = subprocess.Popen(_salloc(slurm_cluster, orch, "run", str(spec)), env={**slurm_cluster.env, **orch.env()},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        job_id = wait_for(lambda: (orch.json("list") or [{}])[0].get("id"), 60, "the job")
+
+        def past() -> bool:
+            d = orch.json("status", job_id)
+            assert d["state"] not in ("FAILED", "SUCCEEDED"), d.get("cause")
+            losses = helpers_train.attempt_losses(Path(d["run_dir"])) if d["state"] == "RUNNING" else {}
+            return bool(losses) and min(max((s for (r_, s) in losses if r_ == rank), default=0)
+                                        for rank in range(3)) > interval + 2
+        wait_for(past, 180, "training past the first checkpoint", interval=0.3)
+        slurm_job = slurm_cluster.run(["squeue", "-h", "-o", "%i"]).stdout.split()[0]
+        slurm_cluster.run(["scancel", "--signal=TERM", slurm_job])
+        wait_for(lambda: orch.json("status", job_id)["state"] == "FAILED", 60, "FAILED", interval=0.1)
+        proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    cause = orch.json("status", job_id)["cause"]
+    assert cause["kind"] == "node_lost" and "Slurm took" in cause["message"] and "SIGTERM" in cause["message"], cause
+    assert_no_leftovers(job_id, timeout=15)
+    slurm_cluster.wait_idle(60)
+    r = slurm_cluster.run(_salloc(slurm_cluster, orch, "resume", job_id, nodes=4), timeout=400, check=False,
+                          env=orch.env())
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    done = orch.json("status", job_id)
+    assert done["state"] == "SUCCEEDED" and int(done["attempts"][1]["resume_tag"].removeprefix("step_")) >= interval

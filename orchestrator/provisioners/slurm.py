@@ -17,7 +17,7 @@ agent: srun gives each step one stdin). ``--overlap`` lets the ranks' own step (
 native) share the CPUs and GPUs the agents' steps hold. A node Slurm takes away (``scontrol update
 state=DOWN``, a failed node) kills its agent's step: the link closes and the attempt fails with
 ``node_lost``, as with any provisioner. Preemption (``SIGTERM`` to the steps) makes every agent stop
-its ranks and say why. Submitting from outside an allocation (``sbatch`` by orch) is not available
+its ranks and say Slurm took its node: a node loss too. Submitting from outside an allocation (``sbatch`` by orch) is not available
 yet: the provisioner refuses with a clear message.
 """
 

@@ -105,6 +105,11 @@ class AttemptMessages:
         self.node_state[node_rank] = "stopped"
 
     def _on_stopping(self, node_rank: int, msg: dict) -> None:
+        if msg.get("taken_by") == "slurm":  # its srun step got SIGTERM: Slurm takes the node away
+            self._fail({"kind": "node_lost", "node": self._host(node_rank), "node_rank": node_rank,
+                        "message": f"node lost: Slurm took {self._host(node_rank)} (node {node_rank}) away: its "
+                                   f"agent's step got SIGTERM (preemption, scancel, or the node failing)"})
+            return
         self._fail({"kind": "agent_stopped", "node": self._host(node_rank), "node_rank": node_rank,
                     "message": f"the agent on {self._host(node_rank)} (node {node_rank}) stopped its ranks: "
                                f"{msg.get('reason')}"})
