@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
+import subprocess
 import time
 from typing import Iterable, Mapping
 
-__all__ = ["AdoptedRank", "state_dir", "write_plans", "SHIM", "LOST_RETURNCODE"]
+__all__ = ["AdoptedRank", "state_dir", "write_plans", "log_tail", "wrong_tool", "SHIM", "LOST_RETURNCODE"]
 
 #: The per-rank program the real launcher runs (a file: see its docstring).
 SHIM = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native_rank.py")
@@ -147,3 +149,36 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def log_tail(path: str, lines: int = 3, size: int = 8192) -> str:
+    """The last non-blank lines of a log file, joined by " | ", for a message ("(no output)" if none);
+    banners of dashes and asterisks are skipped."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.path.getsize(path) - size))
+            text = f.read().decode("utf-8", "replace")
+    except OSError:
+        return "(no output)"
+    kept = [ln.strip() for ln in text.splitlines() if ln.strip() and ln.strip().strip("-*=") ]
+    return " | ".join(kept[-lines:])[-600:] or "(no output)"
+
+
+def wrong_tool(tool: str, family: str | None, env: dict[str, str]) -> str | None:
+    """Why ``tool`` is not the MPI the launcher needs (``--version`` tells Open MPI from a Hydra), or None."""
+    if family not in ("openmpi", "hydra"):
+        return None
+    try:
+        r = subprocess.run([tool, "--version"], capture_output=True, text=True, timeout=15, env=env,
+                           stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return f"{tool} --version failed: {err}"
+    text = r.stdout + r.stderr
+    openmpi = "Open MPI" in text or "OpenRTE" in text
+    first = next((ln.strip() for ln in text.splitlines() if ln.strip()), "(no output)")
+    if family == "openmpi" and not openmpi:
+        return f"{shutil.which(tool, path=env.get('PATH'))} is not Open MPI's mpirun ({tool} --version: {first}); put Open MPI first on the node's PATH"
+    if family == "hydra" and openmpi:
+        return (f"{shutil.which(tool, path=env.get('PATH'))} is Open MPI's ({first}), not the Hydra mpiexec/mpirun this launcher's "
+                "MPI (MPICH, Intel MPI, MVAPICH2) runs; put that MPI's bin first on the node's PATH")
+    return None

@@ -37,7 +37,8 @@ import time
 from typing import Any
 
 from . import devices, network
-from .adopted import SHIM, AdoptedRank, write_plans
+from .adopted import SHIM, AdoptedRank, log_tail, write_plans, wrong_tool
+from .nodeenv import node_env
 from .link import MessageReader, MessageWriter
 from .ranks import RankProcess, become_subreaper, describe_returncode, kill_descendants, kill_marked, stop_all
 
@@ -247,9 +248,11 @@ class Agent:
         command = self.native.get("command")
         if command:
             tool = next((t for t in command["tools"] if shutil.which(t, path=self.base_env.get("PATH"))), None)
-            if tool is None:
+            wrong = wrong_tool(tool, command.get("family"), self.base_env) if tool else None
+            if tool is None or wrong:
                 self.writer.send({"type": "spawn_failed", "global_rank": self.node["ranks"][0]["global_rank"],
-                                  "error": f"none of {', '.join(command['tools'])} is on this node's PATH"})
+                                  "launcher": command["tools"][0],
+                                  "error": wrong or f"none of {', '.join(command['tools'])} is on this node's PATH"})
                 return False
             argv = [tool] + [SHIM if a == command["shim_token"] else a for a in command["argv"][1:]]
             env = {**self.base_env, **command.get("env", {}), "ORCH_ATTEMPT_ID": self.attempt_id,
@@ -277,11 +280,12 @@ class Agent:
             else:
                 code = self.launcher.poll() if self.launcher else None
                 why = (f"the launcher ({self.launcher.argv[0]}) exited with {describe_returncode(code)} before starting "
-                       f"rank(s) {waiting}: {_tail(self.launcher.log_path)}" if code is not None else
+                       f"rank(s) {waiting}; its last words: {log_tail(self.launcher.log_path)}" if code is not None else
                        f"the launcher did not start rank(s) {waiting} within "
                        f"{self.native.get('start_timeout', 120.0):.0f} s" if time.monotonic() > deadline else None)
                 if why:
-                    self.writer.send({"type": "spawn_failed", "global_rank": waiting[0], "error": why})
+                    self.writer.send({"type": "spawn_failed", "global_rank": waiting[0], "error": why,
+                                      "launcher": self.native["command"]["tools"][0] if self.launcher else "launcher"})
                     return self._stop("the native launcher failed to start the ranks")
         return None
 
@@ -511,37 +515,6 @@ class _BeforeStart:
             if self._thread is not None:
                 self._thread.join(5.0)
             self.preflight.cleanup()
-
-
-#: What an srun step sets about itself (the slurm provisioner's agent step), which the ranks must not
-#: inherit: they are not that step's task 0 of 1. The allocation's SLURM_JOB_* and SLURM_NODELIST stay.
-SLURM_STEP_VARS = ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID", "SLURM_NTASKS", "SLURM_NPROCS", "SLURM_NNODES",
-                   "SLURM_GTIDS", "SLURM_TASK_PID", "SLURM_STEPID", "SLURM_STEP_ID", "SLURM_STEP_NODELIST",
-                   "SLURM_STEP_NUM_NODES", "SLURM_STEP_NUM_TASKS", "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE",
-                   "SLURM_NTASKS_PER_NODE", "SLURM_SRUN_COMM_HOST", "SLURM_SRUN_COMM_PORT", "SLURM_STEP_LAUNCHER_PORT",
-                   "SLURM_LAUNCH_NODE_IPADDR", "SLURM_DISTRIBUTION", "SLURM_TOPOLOGY_ADDR",
-                   "SLURM_TOPOLOGY_ADDR_PATTERN", "SLURM_UMASK", "SLURM_PRIO_PROCESS", "SLURM_CPU_BIND",
-                   "SLURM_CPU_BIND_LIST", "SLURM_CPU_BIND_TYPE", "SLURM_CPU_BIND_VERBOSE",
-                   "SLURM_JOB_NAME", "SLURM_UNBUFFEREDIO", "SLURM_EXPORT_ENV")
-
-
-def node_env(environ: "os._Environ[str] | dict[str, str]") -> dict[str, str]:
-    """The node's environment the ranks' env is laid over: the agent's, less its own markers
-    (``ORCH_AGENT_*``) and, when the agent is an srun step (``ORCH_AGENT_SLURM_STEP=1``, the slurm
-    provisioner), less what srun set about that step (:data:`SLURM_STEP_VARS`)."""
-    step = environ.get("ORCH_AGENT_SLURM_STEP") == "1"
-    return {k: v for k, v in environ.items()
-            if not k.startswith("ORCH_AGENT_") and not (step and k in SLURM_STEP_VARS)}
-
-
-def _tail(path: str, size: int = 1500) -> str:
-    """The end of a log file, for a message ("(no output)" when empty or unreadable)."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(max(0, os.path.getsize(path) - size))
-            return f.read().decode("utf-8", "replace").strip() or "(no output)"
-    except OSError:
-        return "(no output)"
 
 
 def rank_env(base_env: dict[str, str], node: dict, rank: dict) -> dict[str, str]:

@@ -14,17 +14,28 @@ from __future__ import annotations
 
 from typing import Mapping
 
-__all__ = ["VAR", "assigned", "mapped", "describe"]
+__all__ = ["VAR", "assigned", "duplicate", "mapped", "describe"]
 
 VAR = "CUDA_VISIBLE_DEVICES"
 
 
 def assigned(node_env: Mapping[str, str]) -> list[str] | None:
-    """The node's assigned devices (ids or UUIDs, in order), or None when the node sets none."""
+    """The node's assigned devices (ids or UUIDs, in order), or None when the node sets none (or an
+    empty value, the usual way to hide every GPU: nothing to map then)."""
     value = node_env.get(VAR)
-    if value is None:
+    if value is None or not value.strip():  # unset, or empty: "no GPU here", nothing to map
         return None
     return [d.strip() for d in value.split(",") if d.strip()]
+
+
+def duplicate(node_env: Mapping[str, str]) -> str | None:
+    """A device the node's list names twice (two ranks would share it), or None."""
+    seen: set[str] = set()
+    for d in assigned(node_env) or []:
+        if d in seen:
+            return d
+        seen.add(d)
+    return None
 
 
 def mapped(rank_env: Mapping[str, str], node_env: Mapping[str, str], host: str) -> str | None:
@@ -44,6 +55,10 @@ def mapped(rank_env: Mapping[str, str], node_env: Mapping[str, str], host: str) 
     devices = assigned(node_env)
     if devices is None or VAR not in rank_env:
         return None
+    twice = duplicate(node_env)
+    if twice is not None:
+        raise ValueError(f"{host}: {VAR}={node_env[VAR]} (set before orch started) names device {twice} twice; "
+                         "two slots would share it")
     slots = [s.strip() for s in rank_env[VAR].split(",") if s.strip()]
     try:
         return ",".join(devices[int(s)] for s in slots)

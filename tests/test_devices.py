@@ -30,6 +30,9 @@ def test_mapped_devices():
     with pytest.raises(ValueError, match=r"n0: the job uses slot\(s\) 0,1,2 .*CUDA_VISIBLE_DEVICES=4,5 .* 2 device"):
         mapped({"CUDA_VISIBLE_DEVICES": "0,1,2"}, node, "n0")
     assert describe(node, [0, 1, 2]) == ["4", "5", "?"] and describe({}, [0]) is None
+    assert mapped({"CUDA_VISIBLE_DEVICES": "0"}, {"CUDA_VISIBLE_DEVICES": ""}, "n0") is None  # "no GPU": nothing to map
+    with pytest.raises(ValueError, match="names device 4 twice"):
+        mapped({"CUDA_VISIBLE_DEVICES": "0"}, {"CUDA_VISIBLE_DEVICES": "4,4"}, "n0")
 
 
 def _run(orch, write_spec, hostfile, tmp_path, **fields):

@@ -221,7 +221,7 @@ def test_resume_of_a_running_job_says_what_to_do(orch, write_spec, hostfile, tmp
     ({"launcher": "mpirun"}, TWO_BY_TWO, ["launcher", "'mpirun'", "pdsh"]),
     ({"launcher": "mpich"}, "node-0 slots=2\nnode-1 slots=1\n", ["mpich", "same number of ranks", "node-0: 2, node-1: 1"]),
     ({"launcher_args": "--mca 'btl"}, TWO_BY_TWO, ["launcher_args", "No closing quotation"]),
-    ({"launcher": "slurm", "include": "node-0:1@node-1"}, TWO_BY_TWO, ["slurm", "devices [1] on node-0"]),
+    ({"launcher": "slurm", "include": "node-0:1@node-1"}, TWO_BY_TWO, ["slurm", "slots [1] on node-0", "include/exclude filter"]),
     ({"num_nodes": "two"}, TWO_BY_TWO, ["num_nodes", "integer", "'two'"]),
     ({"entrypoint": "nope.py"}, TWO_BY_TWO, ["entrypoint", "no such file", "nope.py"]),
     ({}, "node-0 lots=2\n", ["Line 1", "node-0 lots=2", "<host> slots=<n>"]),

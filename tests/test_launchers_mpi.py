@@ -170,8 +170,10 @@ def test_openmpi_launcher_args_override_defaults(ds, tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("name,args", [("openmpi", ("-np", "8")), ("openmpi", ("--host", "x")),
-                                       ("mpich", ("-ppn", "4")), ("impi", ("-hosts", "a,b")),
-                                       ("mvapich", ("-n", "2"))])
+                                       ("openmpi", ("--map-by", "ppr:1:node")), ("openmpi", ("--rankfile", "r")),
+                                       ("mpich", ("-ppn", "4")), ("mpich", ("--ppn", "1")), ("impi", ("-hosts", "a,b")),
+                                       ("impi", ("-rr",)), ("mpich", ("-configfile", "c")), ("mvapich", ("-n", "2")),
+                                       ("mvapich", ("--np", "4"))])
 def test_launcher_args_that_place_ranks_are_refused(tmp_path, monkeypatch, name, args):
     job = Job(tmp_path, monkeypatch, EVEN_HOSTFILE)
     with pytest.raises(LaunchError, match="place ranks"):
@@ -215,6 +217,26 @@ def test_filters_run_the_filtered_pool(ds, tmp_path, monkeypatch, name):
     assert any("refuses exclude" in w for w in MPI_LAUNCHERS[name].warnings(ctx))
     ranks = [r for n in range(2) for r in MPI_LAUNCHERS[name].ranks(ctx, n)]
     assert [r.env["RANK"] for r in ranks] == ["0", "1", "2", "3"]
+
+
+def test_launcher_args_that_set_variables_reach_emulated_ranks():
+    ctx = LaunchContext(world=EVEN, master_addr="10.0.0.1", master_port=29600, python="/py", entrypoint="t.py",
+                        exports={"K": "v"}, launcher_args=("-x", "FOO=bar", "-x", "NCCL_DEBUG=INFO", "-x", "ONLY_NAME"))
+    r = OPENMPI.ranks(ctx, 1)[0]
+    assert (r.env["FOO"], r.env["NCCL_DEBUG"], r.env["K"]) == ("bar", "INFO", "v") and "ONLY_NAME" not in r.env
+    assert any("-x ONLY_NAME forwards ONLY_NAME from mpirun's own environment" in w for w in OPENMPI.warnings(ctx))
+    hydra = LaunchContext(**{**ctx.__dict__, "launcher_args": ("-genv", "FOO", "bar", "--env", "BAZ=1", "-genvnone")})
+    for launcher in (MPICH, IMPI, MVAPICH):
+        m = launcher.ranks(hydra, 0)[1]
+        assert (m.env["FOO"], m.env["BAZ"]) == ("bar", "1")
+        assert any("-genvnone changes which of mpiexec's variables" in w for w in launcher.warnings(hydra))
+
+
+def test_pdsh_launcher_args_that_pick_hosts_are_refused():
+    ctx = LaunchContext(world=EVEN, master_addr="10.0.0.1", master_port=29600, python="/py", entrypoint="t.py",
+                        launcher_args=("-w", "n9"))
+    with pytest.raises(LaunchError, match="launcher_args -w: these place ranks"):
+        PDSH.real_commands(ctx)
 
 
 def test_slots_picked_by_a_filter_become_visible_devices(tmp_path, monkeypatch):
@@ -312,7 +334,7 @@ def test_slurm_fixes_and_refusals(ds, tmp_path, monkeypatch):
     assert "ignores module/no_python" in warnings and "LIST='a,b' has a comma" in warnings
     with pytest.raises(ValueError, match="cannot select specific device ids"):
         job.deepspeed(ds, "slurm", "--include", "n0:1@n1:1")
-    with pytest.raises(LaunchError, match=r"cannot select devices \[1\] on n0"):
+    with pytest.raises(LaunchError, match=r"filter or num_gpus leaves slots \[1\] on n0, but srun cannot select"):
         slurm.ranks(job.ctx((("n0", (1,)), ("n1", (1,)))), 0)
     (tmp_path / "b").mkdir()
     job2 = Job(tmp_path / "b", monkeypatch, "n0 slots=2\nn1 slots=3\n")
@@ -320,8 +342,11 @@ def test_slurm_fixes_and_refusals(ds, tmp_path, monkeypatch):
         job2.deepspeed(ds, "slurm")
     with pytest.raises(LaunchError, match="same slot count"):
         slurm.ranks(job2.ctx((("n0", (0, 1)), ("n1", (0, 1, 2)))), 0)
-    with pytest.raises(LaunchError, match="place tasks"):
-        slurm.real_commands(job.ctx(EVEN, launcher_args=("--ntasks-per-node=4",)))
+    for args in (("--ntasks-per-node=4",), ("-N2",), ("-n8",), ("-wn9",), ("--nodel=n0",), ("--multi-prog",)):
+        with pytest.raises(LaunchError, match="place ranks"):
+            slurm.real_commands(job.ctx(EVEN, launcher_args=args))
+    with pytest.raises(LaunchError, match="through srun's own environment"):
+        slurm.real_commands(job.ctx(EVEN, launcher_args=("--export=NONE",)))
 
 
 def test_slurm_rank_environment():

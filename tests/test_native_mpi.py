@@ -97,7 +97,7 @@ def test_zero2_trains_to_completion(launcher, mode, mpi_hosts, slurm_cluster, or
     if mode == "native":
         assert (run_dir / "logs" / "launcher.log").exists()  # node 0 ran the tool
         command = plan["nodes"][0]["native"]["command"]
-        assert command["argv"][0] == ("srun" if launcher == "slurm" else "mpirun")
+        assert command["argv"][0] == {"slurm": "srun", "openmpi": "mpirun.openmpi", "mpich": "mpiexec.hydra"}[launcher]
         assert plan["nodes"][1]["native"]["command"] is None
     else:
         assert not (run_dir / "logs" / "launcher.log").exists() and plan["nodes"][0]["native"] is None

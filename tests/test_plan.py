@@ -83,13 +83,28 @@ def test_pool_problems_are_plan_errors(tmp_path) -> None:
         make_plan(_spec(tmp_path), ResourcePool(nodes=()), _inputs())
 
 
+def test_settings_that_do_nothing_are_named(tmp_path) -> None:
+    two = _pool(("n0", 1), ("n1", 1))
+    plan = make_plan(_spec(tmp_path).model_copy(update={"launcher": "standard", "launcher_args": ["-x"]}), two, _inputs())
+    assert any("launcher_args are not used (the standard launcher has no real tool" in w for w in plan.warnings)
+    one = make_plan(_spec(tmp_path).model_copy(update={"launcher": "openmpi", "launcher_args": ["-v"]}),
+                    _pool(("n0", 2)), _inputs())
+    assert any("launcher_args are not used (one node" in w for w in one.warnings)
+    spec = _spec(tmp_path, launcher="openmpi", native_start_timeout=5)
+    assert any("native_start_timeout applies only" in w for w in make_plan(spec, two, _inputs()).warnings)
+    native = make_plan(spec.model_copy(update={"launch_mode": "native"}), two, _inputs())
+    assert any("provisioner local: the real tool reaches" in w for w in native.warnings)
+    assert any("keeps DeepSpeed's --mca btl_tcp_if_include eth0" in w for w in native.warnings)
+
+
 def test_native_mode_needs_a_launcher_that_has_one(tmp_path) -> None:
     spec = _spec(tmp_path).model_copy(update={"launch_mode": "native"})  # pdsh
     with pytest.raises(LaunchError, match="the pdsh launcher has no native mode"):
         make_plan(spec, _pool(("n0", 1), ("n1", 1)), _inputs())
     native = make_plan(spec.model_copy(update={"launcher": "openmpi"}), _pool(("n0", 1), ("n1", 1)), _inputs())
     first, second = (n.native for n in native.nodes)
-    assert first["command"]["argv"][0] == "mpirun" and first["command"]["tools"][0] == "mpirun.openmpi"
+    assert first["command"]["argv"][0] == first["command"]["tools"][0] == "mpirun.openmpi"
+    assert first["command"]["family"] == "openmpi"
     assert first["command"]["shim_token"] in first["command"]["argv"] and second["command"] is None
     assert first["world_size"] == 2 and first["start_timeout"] == 120.0
     assert make_plan(spec.model_copy(update={"launch_mode": "emulated"}), _pool(("n0", 1)), _inputs()).nodes[0].native is None

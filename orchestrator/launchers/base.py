@@ -167,19 +167,27 @@ class Launcher(Protocol):
         ...
 
 
-def check_context(launcher: str, ctx: LaunchContext, tool: str) -> None:
+def check_context(launcher: str, ctx: LaunchContext, tool: str, family: str | None = None) -> None:
     """Checks every launcher makes of a context before placing ranks.
 
     Args:
         launcher: the launcher's name, for messages.
         ctx: the context.
         tool: the real tool whose rule forbids ``no_python`` with ``module`` (for messages).
+        family: how the real tool reads ``ctx.launcher_args`` (:data:`.args.PLACING`), to refuse those
+            that place ranks; None: not checked.
 
     Raises:
-        LaunchError: an empty pool, a host listed twice or without slots, or
-            ``no_python`` together with ``module``.
+        LaunchError: an empty pool, a host listed twice or without slots, ``no_python`` together
+            with ``module``, or ``launcher_args`` that place ranks.
     """
     from ..errors import LaunchError
+    from .args import placing
+    placed = placing(ctx.launcher_args, family) if family else []
+    if placed:
+        raise LaunchError(f"launcher_args {' '.join(placed)}: these place ranks, which the hostfile and the "
+                          f"include/exclude/num_nodes/num_gpus filters decide for {launcher}; remove them and "
+                          "filter the pool instead")
     if not ctx.world:
         raise LaunchError(f"{launcher}: the resource pool is empty")
     hosts = ctx.hosts

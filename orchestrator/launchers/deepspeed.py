@@ -364,7 +364,8 @@ class DeepSpeedLauncher:
     # ---------------------------------------------------------------- checks
 
     def _check(self, ctx: LaunchContext) -> None:
-        check_context(self.name, ctx, "deepspeed.launcher.launch refuses '--no_python' with '--module'")
+        check_context(self.name, ctx, "deepspeed.launcher.launch refuses '--no_python' with '--module'",
+                      "pdsh" if self.ssh else None)
 
     def uses_pdsh(self, ctx: LaunchContext) -> bool:
         """True when DeepSpeed really goes through pdsh: the pdsh launcher and more than one node.

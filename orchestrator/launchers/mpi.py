@@ -55,8 +55,9 @@ Deliberate differences from DeepSpeed's runners (each also in docs/launchers.md)
   (or any of ``"$'`` ...) in double quotes and no shell strips them from ``-x K="a b"``.
 * ``launcher_args`` override the defaults they name instead of repeating them (``--mca btl``;
   ``btl_tcp_if_include``/``btl_tcp_if_exclude`` drop the default ``btl_tcp_if_include eth0``);
-  options that place ranks (``-n``, ``-np``, ``-ppn``, ``-hostfile``, ``--host``, ``-hosts``) are
-  refused, since the hostfile and filters place them.
+  options that place ranks (``-n``, ``-np``, ``-ppn``, ``-hostfile``, ``--host``, ``-hosts``,
+  ``--map-by``, ...: :mod:`.args`) are refused, since the hostfile and filters place them; those
+  that set variables (``-x NAME=VALUE``, ``-genv``, ``-env``) reach emulated ranks too.
 * mpich with ``module``/``no_python``: DeepSpeed puts ``-m`` before the helper's path (``python
   -m /…/launcher_helper.py`` fails) or runs the helper without an interpreter; orch runs the helper
   with ``python -u`` and passes ``--module``/``--no_python`` to it.
@@ -72,11 +73,12 @@ import posixpath
 from dataclasses import dataclass
 
 from ..errors import LaunchError
+from .args import env_from_args
 from .base import SHIM_TOKEN, LaunchContext, RankLaunch, RealCommand, check_context
 from .deepspeed import PDSH, DEEPSPEED_IMPORT_DEFAULTS, render_pdsh_export
 
-__all__ = ["MPILauncher", "OPENMPI", "MPICH", "IMPI", "MVAPICH", "MVAPICH_EXPORTS",
-           "PLACEMENT_OPTIONS", "TORCH_DISTRIBUTED_DEFAULT_PORT"]
+__all__ = ["MPILauncher", "OPENMPI", "MPICH", "IMPI", "MVAPICH", "MVAPICH_EXPORTS", "NATIVE_TOOLS",
+           "TORCH_DISTRIBUTED_DEFAULT_PORT"]
 
 #: deepspeed.constants TORCH_DISTRIBUTED_DEFAULT_PORT: mpi_discovery's MASTER_PORT by default.
 TORCH_DISTRIBUTED_DEFAULT_PORT = 29500
@@ -84,14 +86,6 @@ TORCH_DISTRIBUTED_DEFAULT_PORT = 29500
 MVAPICH_EXPORTS = (("MV2_SMP_USE_CMA", "0"), ("MV2_DEBUG_SHOW_BACKTRACE", "1"), ("MV2_USE_CUDA", "1"),
                    ("MV2_SUPPORT_DL", "1"), ("MV2_ENABLE_AFFINITY", "0"), ("MV2_INTER_ALLGATHER_TUNING", "5"),
                    ("MV2_CUDA_USE_NAIVE", "0"))
-#: Options of ``launcher_args`` that place ranks, which the hostfile and filters decide (refused).
-PLACEMENT_OPTIONS = {
-    "openmpi": ("-n", "-np", "--np", "-c", "-hostfile", "--hostfile", "-machinefile", "--machinefile",
-                "-H", "-host", "--host", "-N", "--npernode", "-npernode"),
-    "mpich": ("-n", "-np", "-ppn", "-hosts", "-host", "-f", "-hostfile", "-machinefile"),
-    "impi": ("-n", "-np", "-ppn", "-perhost", "-hosts", "-host", "-f", "-hostfile", "-machinefile"),
-    "mvapich": ("-n", "-np", "-ppn", "-hosts", "-host", "-f", "--hostfile", "-hostfile", "-machinefile"),
-}
 _TOOL = {"openmpi": "Open MPI's mpirun", "mpich": "MPICH's mpiexec (Hydra)",
          "impi": "Intel MPI's mpirun (Hydra)", "mvapich": "MVAPICH2's mpirun (Hydra)"}
 _RUNNER = {"openmpi": "OpenMPIRunner", "mpich": "MPICHRunner", "impi": "IMPIRunner", "mvapich": "MVAPICHRunner"}
@@ -100,10 +94,6 @@ _HYDRA_MASTER_VARS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "LOCAL_SIZE")
 #: (Debian installs Open MPI's and MPICH's side by side; plain ``mpirun`` is whichever won).
 NATIVE_TOOLS = {"openmpi": ("mpirun.openmpi", "mpirun"), "mpich": ("mpiexec.hydra", "mpirun.mpich", "mpiexec"),
                 "impi": ("mpirun",), "mvapich": ("mpirun",)}
-
-
-def _option_name(arg: str) -> str:
-    return arg.split("=", 1)[0]
 
 
 @dataclass(frozen=True)
@@ -121,8 +111,13 @@ class MPILauncher:
         """runner.py ``main()``: the launcher is used only with more than one node."""
         return len(ctx.world) > 1
 
+    @property
+    def family(self) -> str:
+        """How the tool reads its arguments (:mod:`.args`): ``openmpi`` or ``hydra``."""
+        return "openmpi" if self.name == "openmpi" else "hydra"
+
     def _check(self, ctx: LaunchContext) -> None:
-        check_context(self.name, ctx, "DeepSpeed's runner")
+        check_context(self.name, ctx, "DeepSpeed's runner", self.family if self._multi(ctx) else None)
         if not self._multi(ctx):
             return
         if self.name != "openmpi":
@@ -132,10 +127,6 @@ class MPILauncher:
                 raise LaunchError(f"{self.name}: every node must run the same number of ranks ({_RUNNER[self.name]} "
                                   f"raises 'requires same number of devices per node'; -ppn is one count); the pool "
                                   f"has {shown}. Use num_gpus, or a filter that keeps as many slots on every host.")
-        placing = [a for a in ctx.launcher_args if _option_name(a) in PLACEMENT_OPTIONS[self.name]]
-        if placing:
-            raise LaunchError(f"launcher_args {placing} place ranks, which the hostfile and the include/exclude/"
-                              f"num_nodes/num_gpus filters decide for {self.name}; remove them and filter the pool")
 
     # ---------------------------------------------------------------- exports
 
@@ -168,7 +159,7 @@ class MPILauncher:
         host, slots = ctx.world[node_rank]
         base = sum(len(s) for _, s in ctx.world[:node_rank])
         size, local_size = ctx.world_size, len(slots)
-        common = dict(self.exports(ctx))
+        common = {**env_from_args(ctx.launcher_args, self.family)[0], **self.exports(ctx)}
         if tuple(slots) != tuple(range(local_size)):
             common["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, slots))
         master = {"MASTER_ADDR": ctx.master_addr, "MASTER_PORT": str(ctx.master_port),
@@ -354,7 +345,11 @@ class MPILauncher:
             if tuple(slots) != tuple(range(len(slots))):
                 out.append(f"{host}: slots {list(slots)} are not 0..{len(slots) - 1}; {_TOOL[self.name]} cannot pin "
                            f"ranks to devices, so orch gives that node's ranks CUDA_VISIBLE_DEVICES="
-                           f"{','.join(map(str, slots))}")
+                           f"{','.join(map(str, slots))} (slots; mapped to the node's own CUDA_VISIBLE_DEVICES, if set)")
+        out += env_from_args(ctx.launcher_args, self.family)[1]
+        if self.name == "mvapich":
+            out.append("DeepSpeed's MVAPICHRunner writes the hosts to the shared /tmp/deepspeed_mvapich_hostfile "
+                       "(--hostfile), which concurrent jobs overwrite; orch names them with -hosts")
         if self.name == "mpich" and (ctx.module or ctx.no_python):
             out.append("DeepSpeed's MPICHRunner would fail with module/no_python (it puts -m before "
                        "launcher_helper.py's path, or runs the helper without python); orch runs the helper with "

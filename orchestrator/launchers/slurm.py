@@ -48,9 +48,6 @@ from .deepspeed import PDSH, DEEPSPEED_IMPORT_DEFAULTS
 
 __all__ = ["SlurmLauncher", "SLURM", "compress_hostlist", "tasks_per_node", "parse_tasks_per_node"]
 
-#: srun options that place tasks, which the hostfile and filters decide (refused in launcher_args).
-PLACEMENT_OPTIONS = ("-n", "--ntasks", "-N", "--nodes", "-w", "--nodelist", "--ntasks-per-node", "-x", "--exclude",
-                     "-m", "--distribution", "--export")
 _SUFFIX = re.compile(r"^(.*?)(\d+)$")
 
 
@@ -142,20 +139,20 @@ class SlurmLauncher:
         return len(ctx.world) > 1
 
     def _check(self, ctx: LaunchContext) -> None:
-        check_context(self.name, ctx, "DeepSpeed's runner")
+        check_context(self.name, ctx, "DeepSpeed's runner", "slurm" if self._multi(ctx) else None)
+        exports = [a for a in ctx.launcher_args if a.split("=", 1)[0] == "--export" or a.startswith("--expo")]
+        if exports and self._multi(ctx):
+            raise LaunchError(f"launcher_args {' '.join(exports)}: orch passes the ranks' variables through srun's "
+                              "own environment (--export=ALL); put them in the spec's env instead")
         for host, slots in ctx.world:  # SlurmRunner.validate_active_resources, also for one node
             if tuple(slots) != tuple(range(len(slots))):
-                raise LaunchError(f"slurm: srun cannot select devices {list(slots)} on {host} (it places tasks by "
-                                  "count; same as DeepSpeed's SlurmRunner); filter whole hosts, or keep the first "
-                                  "N slots on every host")
+                raise LaunchError(f"slurm: the include/exclude filter or num_gpus leaves slots {list(slots)} on {host}, "
+                                  "but srun cannot select devices (it places tasks by count; same as DeepSpeed's "
+                                  "SlurmRunner); filter whole hosts, or keep the first N slots on every host")
         counts = {host: len(slots) for host, slots in ctx.world}
         if len(set(counts.values())) > 1:
             raise LaunchError(f"slurm: srun needs the same slot count on every host (same as DeepSpeed's "
                               f"SlurmRunner), got {counts}; use num_gpus or a filter that keeps as many on each")
-        placing = [a for a in ctx.launcher_args if a.split("=", 1)[0] in PLACEMENT_OPTIONS]
-        if placing and self._multi(ctx):
-            raise LaunchError(f"launcher_args {placing} place tasks, which the hostfile and the include/exclude/"
-                              "num_nodes/num_gpus filters decide for slurm; remove them and filter the pool")
 
     def ranks(self, ctx: LaunchContext, node_rank: int) -> list[RankLaunch]:
         """Node ``node_rank``'s tasks with srun's variables and DeepSpeed's derived ones (module

@@ -37,6 +37,10 @@ def next_steps(detail: dict[str, Any]) -> list[str]:
         return _provision_steps(job, cause)
     if kind == "preflight_failed":
         return _preflight_steps(job, cause, len(_nodes_of(detail)))
+    if kind == "spawn_failed" and cause.get("launcher"):  # launch_mode native: the real tool did not start them
+        return [f"read the launcher's output ({cause['launcher']} in the attempt's logs: launcher.log) and fix its "
+                "installation on the first node or the spec's launcher_args, then run the fixed spec as a new job "
+                "(orch run SPEC); orch plan SPEC shows the command it runs"]
     if kind == "spawn_failed":
         return [f"fix the rank's command (the spec's python or entrypoint, or the node named above), then run the "
                 f"fixed spec as a new job (orch run SPEC); if the node was at fault: orch resume {job}"]

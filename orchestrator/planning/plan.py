@@ -375,7 +375,28 @@ def _native(spec: JobSpec, launcher: Any, ctx: LaunchContext, node_rank: int, lo
     out: dict[str, Any] = {"start_timeout": spec.native_start_timeout, "world_size": ctx.world_size, "command": None}
     if node_rank == 0:
         tools, cmd = native_command(ctx, log_dir)
-        out["command"] = {"tools": list(tools), "argv": list(cmd.argv), "env": dict(cmd.env), "shim_token": SHIM_TOKEN}
+        out["command"] = {"tools": list(tools), "argv": [tools[0], *cmd.argv[1:]], "env": dict(cmd.env),
+                          "shim_token": SHIM_TOKEN, "family": getattr(launcher, "family", launcher.name)}
+    return out
+
+
+def _mode_warnings(spec: JobSpec, ctx: LaunchContext) -> list[str]:
+    """Settings that do nothing for this job, and what native mode needs of the hosts."""
+    out = []
+    used_by = spec.launcher in DEEPSPEED_RUNNERS and len(ctx.world) > 1
+    if spec.launcher_args and not used_by:
+        why = ("one node: DeepSpeed's runner runs deepspeed.launcher.launch locally" if spec.launcher in DEEPSPEED_RUNNERS
+               else f"the {spec.launcher} launcher has no real tool to give them to")
+        out.append(f"launcher_args are not used ({why})")
+    if "native_start_timeout" in spec.model_fields_set and spec.launch_mode != "native":
+        out.append("native_start_timeout applies only to launch_mode: native")
+    if spec.launch_mode == "native" and spec.provisioner == "local":
+        out.append("launch_mode native with provisioner local: the real tool reaches the hostfile's hosts itself "
+                   "(ssh, or srun), so they must be real hosts it can reach")
+    if spec.launch_mode == "native" and spec.launcher == "openmpi" and not any(
+            "btl_tcp_if" in a for a in spec.launcher_args):
+        out.append("the native mpirun keeps DeepSpeed's --mca btl_tcp_if_include eth0: on nodes without eth0 name "
+                   "their interface in launcher_args (--mca btl_tcp_if_include <interface or subnet>)")
     return out
 
 
@@ -450,6 +471,7 @@ def make_plan(spec: JobSpec, pool: ResourcePool, inputs: PlanInputs) -> JobPlan:
         exports={**exports, **spec.env}, run_dir=inputs.run_dir, checkpoint_dir=inputs.checkpoint_dir,
         resume_tag=inputs.resume_tag, deepspeed_config=ds_config,
         deepspeed_config_path=inputs.deepspeed_config_path, grace=spec.stop_grace_seconds,
-        warnings=tuple(pool.warnings) + tuple(launcher.warnings(shown)) + tuple(inputs.config_warnings),
+        warnings=(tuple(pool.warnings) + tuple(launcher.warnings(shown)) + tuple(_mode_warnings(spec, shown))
+                  + tuple(inputs.config_warnings)),
         resume_universal_from=inputs.resume_universal_from if inputs.resume_tag else None,
         resume_dir=inputs.resume_dir or inputs.checkpoint_dir)

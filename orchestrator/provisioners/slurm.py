@@ -69,10 +69,12 @@ def allocation_nodes(env: Mapping[str, str]) -> "collections.OrderedDict[str, in
         ProvisionError: not inside an allocation, or Slurm's variables do not fit each other.
     """
     nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
-    if not env.get("SLURM_JOB_ID") or not nodelist:
-        raise ProvisionError("provisioner slurm runs inside a Slurm allocation (salloc, or an sbatch script): "
-                             "SLURM_JOB_ID/SLURM_JOB_NODELIST are not set here. Submitting from a login node is not "
-                             "available yet; run `salloc -N <nodes> orch run job.yaml`.")
+    missing = [name for name, value in (("SLURM_JOB_ID", env.get("SLURM_JOB_ID")), ("SLURM_JOB_NODELIST", nodelist))
+               if not value]
+    if missing:
+        raise ProvisionError(f"provisioner slurm runs inside a Slurm allocation (salloc, or an sbatch script): "
+                             f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set here. Submitting "
+                             "from a login node is not available yet; run `salloc -N <nodes> orch run job.yaml`.")
     hosts = _run(["scontrol", "show", "hostnames", nodelist], env).split()
     gpus = env.get("SLURM_GPUS_PER_NODE", "").rsplit(":", 1)[-1]
     if gpus.isdigit() and int(gpus) > 0:

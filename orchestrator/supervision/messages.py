@@ -116,7 +116,7 @@ class AttemptMessages:
 
     def _on_spawn_failed(self, node_rank: int, msg: dict) -> None:
         self._fail({"kind": "spawn_failed", "node": self._host(node_rank), "node_rank": node_rank,
-                    "global_rank": msg.get("global_rank"),
+                    "global_rank": msg.get("global_rank"), **({"launcher": msg["launcher"]} if msg.get("launcher") else {}),
                     "message": f"rank {msg.get('global_rank')} on {self._host(node_rank)} (node {node_rank}) "
                                f"could not be started: {msg.get('error')}"})
 

@@ -189,6 +189,10 @@ def _check_assigned_devices(spec: JobSpec, pool: ResourcePool) -> None:
     assigned = devices.assigned(os.environ) if spec.provisioner == "local" else None
     if assigned is None:
         return
+    twice = devices.duplicate(os.environ)
+    if twice is not None:
+        raise PlanError(f"CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']} (set before orch started, by the "
+                        f"scheduler or you) names device {twice} twice: two slots would share it.")
     for host, slots in pool.nodes:
         if slots and max(slots) >= len(assigned):
             raise PlanError(f"{host} uses slot(s) {','.join(map(str, slots))}, but CUDA_VISIBLE_DEVICES="

@@ -119,7 +119,7 @@ def main(argv: Iterable[str] | None = None) -> int:
     except OrchError as err:
         if getattr(args, "output", None) == "json":
             print_json({"error": str(err), "kind": type(err).__name__})
-        err_console.print(Text(f"error: {err}", style="red"))
+        err_console.print(Text(f"error: {err}", style="red"), soft_wrap=True)  # one line: copy, paste, grep
         return err.exit_code
     except KeyboardInterrupt:
         err_console.print("interrupted")

@@ -43,7 +43,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
                       f":{n.metrics_port}/metrics" if n.metrics_port else "-", interfaces[n.node_rank])
     c.print(nodes)
     pairs = plan.ranks()
-    envs = [dict(r.env) for _, r in pairs]
+    here = os.environ if plan.provisioner == "local" else {}  # local agents' node environment is this one
+    envs = [_as_run(dict(r.env), here, n.host) for n, r in pairs]
     common = {k: v for k, v in envs[0].items() if all(e.get(k) == v for e in envs)}
     c.print(Text("Environment of every rank (over its node's own):", style="bold"))
     for k in sorted(common):
@@ -51,7 +52,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
     ranks = Table(title="Ranks", box=None, title_justify="left", pad_edge=False)
     for col in ("rank", "node", "local rank", "slot", "rank's own environment", "command line"):
         ranks.add_column(col, overflow="fold")
-    here = os.environ if plan.provisioner == "local" else {}  # local agents' node environment is this one
     for (n, r), env in zip(pairs, envs):
         own = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(env.items()) if k not in common)
         physical = devices.describe(here, [r.slot])
@@ -91,8 +91,18 @@ def cmd_plan(args: argparse.Namespace) -> int:
         c.print(f"  {prefix + ' ' if prefix else ''}{shlex.join(native['argv'])}", markup=False, highlight=False,
                 soft_wrap=True)
     for w in plan.warnings:
-        err_console.print(Text(f"warning: {w}", style="yellow"))
+        err_console.print(Text(f"warning: {w}", style="yellow"), soft_wrap=True)
     return 0
+
+
+def _as_run(env: dict, here, host: str) -> dict:
+    """A rank's planned variables as its agent gives them here: slot indices in CUDA_VISIBLE_DEVICES
+    mapped to this machine's assigned devices (agents.devices)."""
+    try:
+        physical = devices.mapped(env, here, host)
+    except ValueError:
+        return env
+    return {**env, devices.VAR: physical} if physical is not None else env
 
 
 def devices_line(plan, here) -> str:

@@ -1,0 +1,34 @@
+"""The node's environment, as the ranks' environment is laid over it.
+
+The agent's own environment, less its markers (``ORCH_AGENT_*``), and, when the agent is an srun
+step of the slurm provisioner (``ORCH_AGENT_SLURM_STEP=1``), less what srun set about that step:
+the ranks are not task 0 of a one-task step.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Mapping
+
+__all__ = ["SLURM_STEP_VARS", "node_env"]
+
+
+#: What an srun step sets about itself (the slurm provisioner's agent step), which the ranks must not
+#: inherit: they are not that step's task 0 of 1. The allocation's SLURM_JOB_* and SLURM_NODELIST stay.
+SLURM_STEP_VARS = ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID", "SLURM_NTASKS", "SLURM_NPROCS", "SLURM_NNODES",
+                   "SLURM_GTIDS", "SLURM_TASK_PID", "SLURM_STEPID", "SLURM_STEP_ID", "SLURM_STEP_NODELIST",
+                   "SLURM_STEP_NUM_NODES", "SLURM_STEP_NUM_TASKS", "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE",
+                   "SLURM_NTASKS_PER_NODE", "SLURM_SRUN_COMM_HOST", "SLURM_SRUN_COMM_PORT", "SLURM_STEP_LAUNCHER_PORT",
+                   "SLURM_LAUNCH_NODE_IPADDR", "SLURM_DISTRIBUTION", "SLURM_TOPOLOGY_ADDR",
+                   "SLURM_TOPOLOGY_ADDR_PATTERN", "SLURM_UMASK", "SLURM_PRIO_PROCESS", "SLURM_CPU_BIND",
+                   "SLURM_CPU_BIND_LIST", "SLURM_CPU_BIND_TYPE", "SLURM_CPU_BIND_VERBOSE",
+                   "SLURM_JOB_NAME", "SLURM_UNBUFFEREDIO", "SLURM_EXPORT_ENV")
+
+
+def node_env(environ: "os._Environ[str] | Mapping[str, str]") -> dict[str, str]:
+    """The node's environment the ranks' env is laid over: the agent's, less its own markers
+    (``ORCH_AGENT_*``) and, when the agent is an srun step (``ORCH_AGENT_SLURM_STEP=1``, the slurm
+    provisioner), less what srun set about that step (:data:`SLURM_STEP_VARS`)."""
+    step = environ.get("ORCH_AGENT_SLURM_STEP") == "1"
+    return {k: v for k, v in environ.items()
+            if not k.startswith("ORCH_AGENT_") and not (step and k in SLURM_STEP_VARS)}
