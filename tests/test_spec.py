@@ -305,3 +305,10 @@ def test_an_accelerate_script_fills_only_what_accelerate_fills(project: Path) ->
         _ds_job(project, "acc.py", "from accelerate import Accelerator\n")
     assert [k for k, _ in err.value.problems] == ["optimizer.params.betas", "optimizer.params.eps"]
     assert "neither orch nor the script fills it" in str(err.value)
+
+
+@pytest.mark.parametrize("path", sorted((Path(__file__).resolve().parents[1] / "examples").glob("*.yaml")),
+                         ids=lambda p: p.name)
+def test_every_example_spec_loads(path: Path) -> None:
+    spec = load_spec(path)
+    assert spec.name and spec.entrypoint
