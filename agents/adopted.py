@@ -127,7 +127,7 @@ class AdoptedRank:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             code = self.poll()
-            if code is not None or (self._child is None and self._code is None and not self.started):
+            if code is not None or not self.started:
                 return code
             if deadline is not None and time.monotonic() >= deadline:
                 return None

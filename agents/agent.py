@@ -88,6 +88,7 @@ class Agent:
         self.launcher: RankProcess | None = None
         self._announce: tuple[float, dict] | None = None  # native: (deadline, the `started` message)
         self._launcher_wait: float | None = None  # native, node 0: until when the tool may still run
+        self._start_timeout = float((self.native or {}).get("start_timeout", 120.0))
         self._slurm_step = os.environ.get("ORCH_AGENT_SLURM_STEP") == "1"  # the slurm provisioner's agent
 
     # -- steps ------------------------------------------------------------------------------
@@ -211,17 +212,14 @@ class Agent:
         try:
             envs = [self._rank_env(r, choice) for r in self.node["ranks"]]
         except ValueError as err:
-            self.writer.send({"type": "spawn_failed", "global_rank": self.node["ranks"][0]["global_rank"],
-                              "error": str(err)})
-            return False
+            return self._spawn_failed(str(err))
         for r, env in zip(self.node["ranks"], envs):
             proc = RankProcess(r["global_rank"], r["argv"], env, self.node["workdir"],
                                os.path.join(log_dir, f"rank-{r['global_rank']}.log"))
             try:
                 proc.start()
             except OSError as err:
-                self.writer.send({"type": "spawn_failed", "global_rank": r["global_rank"],
-                                  "error": f"{err.strerror or err}: {r['argv'][0]}"})
+                self._spawn_failed(f"{err.strerror or err}: {r['argv'][0]}", global_rank=r["global_rank"])
                 self._stop("spawn failed")
                 return False
             self.ranks.append(proc)
@@ -237,23 +235,17 @@ class Agent:
             write_plans(log_dir, self.node["host"], self.node["workdir"], world,
                         [(r["global_rank"], r["local_rank"], self._rank_env(r, choice)) for r in self.node["ranks"]])
         except ValueError as err:
-            self.writer.send({"type": "spawn_failed", "global_rank": self.node["ranks"][0]["global_rank"],
-                              "error": str(err)})
-            return False
+            return self._spawn_failed(str(err))
         except OSError as err:
-            self.writer.send({"type": "spawn_failed", "global_rank": self.node["ranks"][0]["global_rank"],
-                              "error": f"cannot write the ranks' plans in {log_dir}: {err}"})
-            return False
+            return self._spawn_failed(f"cannot write the ranks' plans in {log_dir}: {err}")
         self.ranks = [AdoptedRank(r["global_rank"], log_dir) for r in self.node["ranks"]]
         command = self.native.get("command")
         if command:
             tool = next((t for t in command["tools"] if shutil.which(t, path=self.base_env.get("PATH"))), None)
             wrong = wrong_tool(tool, command.get("family"), self.base_env) if tool else None
             if tool is None or wrong:
-                self.writer.send({"type": "spawn_failed", "global_rank": self.node["ranks"][0]["global_rank"],
-                                  "launcher": command["tools"][0],
-                                  "error": wrong or f"none of {', '.join(command['tools'])} is on this node's PATH"})
-                return False
+                return self._spawn_failed(wrong or f"none of {', '.join(command['tools'])} is on this node's PATH",
+                                          launcher=command["tools"][0])
             argv = [tool] + [SHIM if a == command["shim_token"] else a for a in command["argv"][1:]]
             env = {**self.base_env, **command.get("env", {}), "ORCH_ATTEMPT_ID": self.attempt_id,
                    "ORCH_NODE_RANK": str(self.node["node_rank"])}
@@ -261,12 +253,18 @@ class Agent:
             try:
                 self.launcher.start()
             except OSError as err:
-                self.writer.send({"type": "spawn_failed", "global_rank": self.node["ranks"][0]["global_rank"],
-                                  "error": f"{err.strerror or err}: {tool}"})
-                return False
-        self._announce = (time.monotonic() + float(self.native.get("start_timeout", 120.0)),
+                return self._spawn_failed(f"{err.strerror or err}: {tool}")
+        self._announce = (time.monotonic() + self._start_timeout,
                           {"type": "started", "metrics_port": self.metrics_port, "network": choice.to_dict()})
         return True
+
+    def _spawn_failed(self, error: str, global_rank: int | None = None, launcher: str | None = None) -> bool:
+        """Tell the controller the node's ranks could not be started (``launcher``: the native tool's
+        name, for the hint); False, for the caller to return."""
+        msg = {"type": "spawn_failed", "error": error,
+               "global_rank": self.node["ranks"][0]["global_rank"] if global_rank is None else global_rank}
+        self.writer.send({**msg, **({"launcher": launcher} if launcher else {})})
+        return False
 
     def _native_turn(self) -> int | None:
         """launch_mode native, each turn: announce the ranks once all started; fail the start when the
@@ -279,14 +277,16 @@ class Agent:
                 self._announce = None
             else:
                 code = self.launcher.poll() if self.launcher else None
-                why = (f"the launcher ({self.launcher.argv[0]}) exited with {describe_returncode(code)} before starting "
-                       f"rank(s) {waiting}; its last words: {log_tail(self.launcher.log_path)}" if code is not None else
-                       f"the launcher did not start rank(s) {waiting} within "
-                       f"{self.native.get('start_timeout', 120.0):.0f} s" if time.monotonic() > deadline else None)
-                if why:
-                    self.writer.send({"type": "spawn_failed", "global_rank": waiting[0], "error": why,
-                                      "launcher": self.native["command"]["tools"][0] if self.launcher else "launcher"})
-                    return self._stop("the native launcher failed to start the ranks")
+                if code is not None:
+                    why = (f"the launcher ({self.launcher.argv[0]}) exited with {describe_returncode(code)} before "
+                           f"starting rank(s) {waiting}; its last words: {log_tail(self.launcher.log_path)}")
+                elif time.monotonic() > deadline:
+                    why = f"the launcher did not start rank(s) {waiting} within {self._start_timeout:.0f} s"
+                else:
+                    return None
+                self._spawn_failed(why, global_rank=waiting[0],
+                                   launcher=self.native["command"]["tools"][0] if self.launcher else "launcher")
+                return self._stop("the native launcher failed to start the ranks")
         return None
 
     def _launcher_ended(self) -> bool:
@@ -296,11 +296,11 @@ class Agent:
         if self.launcher.poll() is not None:
             return True
         if self._launcher_wait is None:
-            self._launcher_wait = time.monotonic() + float(self.native.get("start_timeout", 120.0))
+            self._launcher_wait = time.monotonic() + self._start_timeout
         if time.monotonic() < self._launcher_wait:
             return False
         self.writer.send({"type": "warning", "message": f"the launcher ({self.launcher.argv[0]}) did not exit "
-                          f"{self.native.get('start_timeout', 120.0):.0f} s after this node's ranks ended; stopped"})
+                          f"{self._start_timeout:.0f} s after this node's ranks ended; stopped"})
         stop_all([self.launcher], self.grace)
         return True
 

@@ -18,7 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping, Protocol
 
-__all__ = ["LaunchContext", "RankLaunch", "RealCommand", "Launcher", "check_context", "SHIM_TOKEN"]
+__all__ = ["LaunchContext", "RankLaunch", "RealCommand", "Launcher", "check_context", "script_argv",
+           "discovered_env", "SHIM_TOKEN"]
 
 #: In a native command (``launch_mode: native``), the word the node's agent replaces with the path
 #: of its per-rank program (``agents/native_rank.py``), which the real tool starts for every rank.
@@ -198,3 +199,17 @@ def check_context(launcher: str, ctx: LaunchContext, tool: str, family: str | No
             raise LaunchError(f"{launcher}: host {host!r} has no slots")
     if ctx.no_python and ctx.module:
         raise LaunchError(f"{launcher}: no_python and module cannot both be set ({tool})")
+
+
+def script_argv(ctx: LaunchContext) -> list[str]:
+    """The rank's program as the MPI runners and srun start it: ``python -u [-m] <entrypoint> <args>``,
+    or ``<entrypoint> <args>`` with ``no_python`` (no ``--local_rank``: none of them passes one)."""
+    python = [] if ctx.no_python else [ctx.python, "-u"] + (["-m"] if ctx.module else [])
+    return python + [ctx.entrypoint, *ctx.args]
+
+
+def discovered_env(ctx: LaunchContext, rank: int, local_rank: int) -> dict[str, str]:
+    """What DeepSpeed's ``mpi_discovery`` (``deepspeed/comm/comm.py``) would set in a rank started by an
+    MPI tool or srun: RANK, WORLD_SIZE, LOCAL_RANK, and the plan's MASTER_ADDR/MASTER_PORT."""
+    return {"RANK": str(rank), "WORLD_SIZE": str(ctx.world_size), "LOCAL_RANK": str(local_rank),
+            "MASTER_ADDR": ctx.master_addr, "MASTER_PORT": str(ctx.master_port)}

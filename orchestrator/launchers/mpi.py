@@ -74,8 +74,8 @@ from dataclasses import dataclass
 
 from ..errors import LaunchError
 from .args import env_from_args
-from .base import SHIM_TOKEN, LaunchContext, RankLaunch, RealCommand, check_context
-from .deepspeed import PDSH, DEEPSPEED_IMPORT_DEFAULTS, render_pdsh_export
+from .base import SHIM_TOKEN, LaunchContext, RankLaunch, RealCommand, check_context, discovered_env, script_argv
+from .deepspeed import PDSH, render_pdsh_export
 
 __all__ = ["MPILauncher", "OPENMPI", "MPICH", "IMPI", "MVAPICH", "MVAPICH_EXPORTS", "NATIVE_TOOLS",
            "TORCH_DISTRIBUTED_DEFAULT_PORT"]
@@ -94,6 +94,11 @@ _HYDRA_MASTER_VARS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "LOCAL_SIZE")
 #: (Debian installs Open MPI's and MPICH's side by side; plain ``mpirun`` is whichever won).
 NATIVE_TOOLS = {"openmpi": ("mpirun.openmpi", "mpirun"), "mpich": ("mpiexec.hydra", "mpirun.mpich", "mpiexec"),
                 "impi": ("mpirun",), "mvapich": ("mpirun",)}
+
+
+def _runner_env(ctx: LaunchContext) -> dict[str, str]:
+    """The tool's own environment that runner.py changes: the exported PYTHONPATH (set in its env too)."""
+    return {"PYTHONPATH": ctx.exports["PYTHONPATH"]} if "PYTHONPATH" in ctx.exports else {}
 
 
 @dataclass(frozen=True)
@@ -174,16 +179,15 @@ class MPILauncher:
                     env["I_MPI_PIN"] = "0"
             env.update(self._tool_env(host, rank, local, size, local_size))
             if self.name == "openmpi":  # the app context: one, the script's command line
-                script = self._script(ctx)
+                script = script_argv(ctx)
                 env.update({"OMPI_COMMAND": posixpath.basename(script[0]), "OMPI_ARGV": " ".join(script[1:]),
                             "OMPI_APP_CTX_NUM_PROCS": str(size), "OMPI_NUM_APP_CTX": "1", "OMPI_FIRST_RANKS": "0"})
             if self.name in ("openmpi", "mvapich"):  # mpi_discovery
-                env.update({"RANK": str(rank), "WORLD_SIZE": str(size), "LOCAL_RANK": str(local),
-                            "MASTER_ADDR": ctx.master_addr, "MASTER_PORT": str(ctx.master_port)})
+                env.update(discovered_env(ctx, rank, local))
             else:  # launcher_helper.py (mpich) or -env (impi)
                 env.update({"RANK": str(rank), "LOCAL_RANK": str(local)})
             out.append(RankLaunch(global_rank=rank, local_rank=local, slot=slots[local],
-                                  argv=tuple(self._script(ctx)), env=env))
+                                  argv=tuple(script_argv(ctx)), env=env))
         return out
 
     def _tool_env(self, host: str, rank: int, local: int, size: int, local_size: int) -> dict[str, str]:
@@ -200,21 +204,12 @@ class MPILauncher:
                         "MV2_COMM_WORLD_LOCAL_RANK": str(local), "MV2_COMM_WORLD_LOCAL_SIZE": str(local_size)})
         return env
 
-    @staticmethod
-    def _python(ctx: LaunchContext) -> list[str]:
-        if ctx.no_python:
-            return []
-        return [ctx.python, "-u"] + (["-m"] if ctx.module else [])
-
-    def _script(self, ctx: LaunchContext) -> list[str]:
-        return self._python(ctx) + [ctx.entrypoint, *ctx.args]
-
     def env_defaults(self, ctx: LaunchContext, node_rank: int) -> dict[str, str]:
-        """``PYTORCH_NVML_BASED_CUDA_CHECK=1`` where the node lacks it, for one node (launch.py) and
+        """launch.py's (``PYTORCH_NVML_BASED_CUDA_CHECK=1`` where the node lacks it) for one node and
         for mpich (launcher_helper.py imports deepspeed, whose ``__init__`` setdefaults it before it
         starts the script); nothing for the others (the script's own import sets it, after start)."""
         if not self._multi(ctx) or self.name == "mpich":
-            return {k: v for k, v in DEEPSPEED_IMPORT_DEFAULTS.items() if k not in ctx.exports}
+            return PDSH.env_defaults(ctx, node_rank)
         return {}
 
     def agent_store(self, ctx: LaunchContext, node_rank: int) -> tuple[str, int] | None:
@@ -234,8 +229,7 @@ class MPILauncher:
         self._check(ctx)
         if not self._multi(ctx):
             return PDSH.real_commands(ctx)
-        env = {"PYTHONPATH": ctx.exports["PYTHONPATH"]} if "PYTHONPATH" in ctx.exports else {}
-        return [RealCommand(where=None, argv=tuple(self._build(ctx, None)), env=env)]
+        return [RealCommand(where=None, argv=tuple(self._build(ctx, None)), env=_runner_env(ctx))]
 
     def native_command(self, ctx: LaunchContext, log_dir: str) -> tuple[tuple[str, ...], RealCommand]:
         """``launch_mode: native``: the tool names to look for and the command node 0's agent runs.
@@ -256,9 +250,8 @@ class MPILauncher:
         shim = [ctx.python, "-u", SHIM_TOKEN, "--dir", log_dir,
                 "--flavour", "openmpi" if self.name == "openmpi" else "hydra"]
         shim += ["--helper", "--"] if self.name == "mpich" else ["--"]
-        argv = self._build(ctx, shim + self._script(ctx))
-        env = {"PYTHONPATH": ctx.exports["PYTHONPATH"]} if "PYTHONPATH" in ctx.exports else {}
-        return NATIVE_TOOLS[self.name], RealCommand(where=ctx.hosts[0], argv=tuple(argv), env=env)
+        argv = self._build(ctx, shim + script_argv(ctx))
+        return NATIVE_TOOLS[self.name], RealCommand(where=ctx.hosts[0], argv=tuple(argv), env=_runner_env(ctx))
 
     def _build(self, ctx: LaunchContext, program: list[str] | None) -> list[str]:
         """The tool's command line running ``program`` for every rank (None: DeepSpeed's own)."""
@@ -269,7 +262,7 @@ class MPILauncher:
                 program = [ctx.python, "-u", helper, "--launcher", "mpich", *flags, ctx.entrypoint, *ctx.args]
             return self._mpich(ctx, program)
         build = {"openmpi": self._openmpi, "impi": self._impi, "mvapich": self._mvapich}[self.name]
-        return build(ctx, program or self._script(ctx))
+        return build(ctx, program or script_argv(ctx))
 
     def _openmpi(self, ctx: LaunchContext, program: list[str]) -> list[str]:
         user = list(ctx.launcher_args)

@@ -43,8 +43,8 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from ..errors import LaunchError
-from .base import SHIM_TOKEN, LaunchContext, RankLaunch, RealCommand, check_context
-from .deepspeed import PDSH, DEEPSPEED_IMPORT_DEFAULTS
+from .base import SHIM_TOKEN, LaunchContext, RankLaunch, RealCommand, check_context, discovered_env, script_argv
+from .deepspeed import PDSH
 
 __all__ = ["SlurmLauncher", "SLURM", "compress_hostlist", "tasks_per_node", "parse_tasks_per_node"]
 
@@ -140,7 +140,7 @@ class SlurmLauncher:
 
     def _check(self, ctx: LaunchContext) -> None:
         check_context(self.name, ctx, "DeepSpeed's runner", "slurm" if self._multi(ctx) else None)
-        exports = [a for a in ctx.launcher_args if a.split("=", 1)[0] == "--export" or a.startswith("--expo")]
+        exports = [a for a in ctx.launcher_args if a.startswith("--expo")]  # --export, and its abbreviations
         if exports and self._multi(ctx):
             raise LaunchError(f"launcher_args {' '.join(exports)}: orch passes the ranks' variables through srun's "
                               "own environment (--export=ALL); put them in the spec's env instead")
@@ -180,22 +180,14 @@ class SlurmLauncher:
         for local in range(per_node):
             rank = base + local
             env = {**common, "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(local),
-                   "RANK": str(rank), "WORLD_SIZE": str(size), "LOCAL_RANK": str(local),
-                   "MASTER_ADDR": ctx.master_addr, "MASTER_PORT": str(ctx.master_port)}
+                   **discovered_env(ctx, rank, local)}
             out.append(RankLaunch(global_rank=rank, local_rank=local, slot=slots[local],
-                                  argv=tuple(self._script(ctx)), env=env))
+                                  argv=tuple(script_argv(ctx)), env=env))
         return out
 
-    @staticmethod
-    def _script(ctx: LaunchContext) -> list[str]:
-        python = [] if ctx.no_python else [ctx.python, "-u"] + (["-m"] if ctx.module else [])
-        return python + [ctx.entrypoint, *ctx.args]
-
     def env_defaults(self, ctx: LaunchContext, node_rank: int) -> dict[str, str]:
-        """One node (launch.py): ``PYTORCH_NVML_BASED_CUDA_CHECK=1`` where lacking; else nothing."""
-        if not self._multi(ctx):
-            return {k: v for k, v in DEEPSPEED_IMPORT_DEFAULTS.items() if k not in ctx.exports}
-        return {}
+        """One node: launch.py's (``PYTORCH_NVML_BASED_CUDA_CHECK=1`` where lacking); else nothing."""
+        return {} if self._multi(ctx) else PDSH.env_defaults(ctx, node_rank)
 
     def agent_store(self, ctx: LaunchContext, node_rank: int) -> tuple[str, int] | None:
         """None: rank 0 creates the c10d store."""
@@ -213,7 +205,7 @@ class SlurmLauncher:
         self._check(ctx)
         if not self._multi(ctx):
             return PDSH.real_commands(ctx)
-        return [RealCommand(where=None, argv=tuple(self._srun(ctx, self._script(ctx))), env=dict(ctx.exports))]
+        return [RealCommand(where=None, argv=tuple(self._srun(ctx, script_argv(ctx))), env=dict(ctx.exports))]
 
     def native_command(self, ctx: LaunchContext, log_dir: str) -> tuple[tuple[str, ...], RealCommand]:
         """``launch_mode: native``: ``srun`` as in :meth:`real_commands`, every task running orch's
@@ -227,7 +219,7 @@ class SlurmLauncher:
             raise LaunchError("launch_mode native: with one node DeepSpeed's runner does not use srun (it runs "
                               "deepspeed.launcher.launch); use launch_mode: emulated")
         shim = [ctx.python, "-u", SHIM_TOKEN, "--dir", log_dir, "--flavour", "slurm", "--"]
-        return ("srun",), RealCommand(where=ctx.hosts[0], argv=tuple(self._srun(ctx, shim + self._script(ctx))),
+        return ("srun",), RealCommand(where=ctx.hosts[0], argv=tuple(self._srun(ctx, shim + script_argv(ctx))),
                                       env=dict(ctx.exports))
 
     def warnings(self, ctx: LaunchContext) -> list[str]:

@@ -177,8 +177,8 @@ class SlurmProvisioner(Provisioner):
             out = _run(["squeue", "-h", "-s", "-j", self.env["SLURM_JOB_ID"], "-o", "%i %j"], self.env)
         except ProvisionError:
             out = ""
-        steps = [line.split()[0] for line in out.splitlines()
-                 if len(line.split()) == 2 and line.split()[1].startswith(f"orch-agent-{plan.attempt_id}-")]
+        rows = [line.split() for line in out.splitlines()]
+        steps = [row[0] for row in rows if len(row) == 2 and row[1].startswith(f"orch-agent-{plan.attempt_id}-")]
         if steps:
             subprocess.run(["scancel", *steps], capture_output=True, timeout=_TIMEOUT_S, env=self.env)
         return kill_marked(plan.attempt_id) + kill_marked(plan.attempt_id, key="ORCH_AGENT_ATTEMPT_ID")
