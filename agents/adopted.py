@@ -112,9 +112,12 @@ class AdoptedRank:
         return self._code
 
     def signal_group(self, signum: int) -> None:
-        """Send ``signum`` to the rank's process group and to its wrapper; a no-op once gone."""
+        """Send ``signum`` to the rank's process group and, while the rank runs, to its wrapper; a no-op
+        once gone. A wrapper whose rank has ended is left to exit on its own: killed in between, the
+        tool (Hydra, srun) would count it a failed rank and abort the other nodes' ranks."""
         self._look()
-        for target, group in ((self._child, True), (self._pid, False)):
+        wrapper = self._pid if self.poll() is None else None
+        for target, group in ((self._child, True), (wrapper, False)):
             if target is None:
                 continue
             try:

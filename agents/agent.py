@@ -247,8 +247,9 @@ class Agent:
                 return self._spawn_failed(wrong or f"none of {', '.join(command['tools'])} is on this node's PATH",
                                           launcher=command["tools"][0])
             argv = [tool] + [SHIM if a == command["shim_token"] else a for a in command["argv"][1:]]
-            env = {**self.base_env, **command.get("env", {}), "ORCH_ATTEMPT_ID": self.attempt_id,
-                   "ORCH_NODE_RANK": str(self.node["node_rank"])}
+            # marked with the attempt, not with this node: Hydra and srun pass their environment on to
+            # every wrapper on every node, which a node's own sweep (ORCH_NODE_RANK) must not take for its own
+            env = {**self.base_env, **command.get("env", {}), "ORCH_ATTEMPT_ID": self.attempt_id}
             self.launcher = RankProcess(-1, argv, env, self.node["workdir"], os.path.join(log_dir, "launcher.log"))
             try:
                 self.launcher.start()
