@@ -5,8 +5,8 @@ hosts, each with a slurmd): the pool is the allocation (no hostfile), ``num_node
 fourth as a spare, and every node's agent is an ``srun`` step of the allocation. Shown: ZeRO-2
 training to completion (ranks under the pdsh and the slurm launcher, and native srun); a node set
 DOWN by ``scontrol`` mid-training is a node loss, nothing is left behind, and ``orch resume
---exclude`` inside a new allocation finishes on the spare; outside an allocation the provisioner
-says how to get one.
+--exclude`` inside a new allocation finishes on the spare; outside an allocation ``orch plan`` says
+how to see the plan (submitting from there: tests/test_slurm_login.py).
 """
 
 from __future__ import annotations
@@ -112,13 +112,14 @@ def test_node_set_down_is_a_node_loss_and_resumes_on_the_spare(slurm_cluster, or
     assert int(done["attempts"][1]["resume_tag"].removeprefix("step_")) >= interval
 
 
-def test_outside_an_allocation_says_how_to_get_one(orch, write_spec, tmp_path) -> None:
+def test_plan_outside_an_allocation_says_how_to_see_one(orch, write_spec, tmp_path) -> None:
     spec = _spec(write_spec, tmp_path, launcher="pdsh", steps=1, name="no-alloc")
     env = {k: v for k, v in orch.env().items() if not k.startswith("SLURM_")}
     r = orch("plan", str(spec), env=env, replace_env=True)
     assert r.returncode == 2 and "Traceback" not in r.stderr
     err = " ".join(r.stderr.split())
-    assert "runs inside a Slurm allocation" in err and "salloc -N <nodes> orch run job.yaml" in err, r.stderr
+    assert "SLURM_JOB_ID and SLURM_JOB_NODELIST are not set here" in err and "salloc -N <nodes> orch plan job.yaml" \
+        in err, r.stderr
 
 
 def test_preemption_sigterm_is_a_node_loss_and_resumes(slurm_cluster, orch, write_spec, tmp_path) -> None:

@@ -28,8 +28,6 @@ import helpers_train
 pytestmark = pytest.mark.integration
 
 EXAMPLES = ROOT / "examples"
-CHROMIUM = "/usr/bin/chromium"
-CHROMEDRIVER = "/usr/bin/chromedriver"
 TINY = ["--n-layer", "1", "--d-model", "32", "--n-head", "2", "--seq-len", "32", "--corpus-bytes", "200000",
         "--log-interval", "0"]
 # 40-60 steps/s here once started: 25-40 s of training after a 10-40 s DeepSpeed start-up
@@ -68,27 +66,6 @@ def orch_m(tmp_path_factory) -> Orch:
 def server(orch_m):
     with running_server(orch_m) as served:
         yield served
-
-
-@pytest.fixture(scope="module")
-def browser():
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    for path in (CHROMIUM, CHROMEDRIVER):
-        if not os.access(path, os.X_OK):
-            pytest.fail(f"{path} is missing: install Debian's chromium and chromium-driver", pytrace=False)
-    opts = webdriver.ChromeOptions()
-    opts.binary_location = CHROMIUM
-    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--window-size=1280,900"):
-        opts.add_argument(arg)
-    opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=opts)
-    driver.set_page_load_timeout(30)
-    try:
-        yield driver
-    finally:
-        driver.quit()
 
 
 def _spec(write_spec, hostfile, name: str, extra: list[str] = ()) -> Path:

@@ -187,8 +187,19 @@ def job_detail(store: Store, job_id: str) -> dict[str, Any]:
     else:
         d["ranks"] = []
         d["node_states"] = []
+    d["allocation"] = allocation_view(store, job.id)
     d["next_steps"] = next_steps(d)
     return d
+
+
+def allocation_view(store: Store, job_id: str) -> dict[str, Any] | None:
+    """What a scheduler last said of the job's allocation (the slurm provisioner from a login node): the
+    newest ``allocation`` event's data (``slurm_job``, ``state``, ``reason``, ``message``, ``attempt``), or None."""
+    last = None
+    for ev in store.events(job_id):
+        if ev.kind == "allocation":
+            last = {**ev.data, "attempt": ev.attempt}
+    return last
 
 
 def read_log(store: Store, job_id: str, rank: int, attempt: int | None = None, offset: int = 0,

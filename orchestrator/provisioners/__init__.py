@@ -4,7 +4,7 @@
 default) runs every node's agent as a subprocess of the controller on this machine;
 ``ssh`` starts each node's agent over SSH (paramiko); ``ray`` places each node's agent as a
 Ray actor pinned to that node; ``slurm`` runs each node's agent as an ``srun`` step of the
-allocation orch runs in.
+allocation orch runs in (from a login node: of the one it asks Slurm for, attempt by attempt).
 
 May import: ``orchestrator.errors``, ``launchers``, ``spec``, ``planning``, and ``agents`` (the agent
 process they start, its message link, the marker sweep).
@@ -45,7 +45,9 @@ def get_provisioner(name: str, spec: "JobSpec | None" = None, look_only: bool = 
                               look_only=look_only)
     if name == "slurm":
         from .slurm import SlurmProvisioner
-        return SlurmProvisioner(tuple(spec.slurm.srun_args) if spec is not None else (),
-                                spec.python if spec is not None else None)
+        if spec is None:
+            return SlurmProvisioner()
+        return SlurmProvisioner(tuple(spec.slurm.srun_args), spec.python, sbatch_args=tuple(spec.slurm.sbatch_args),
+                                queue_timeout=spec.slurm.queue_timeout)
     raise ProvisionError(f"provisioner '{name}' is not available in this version of orch; "
                          "use provisioner: local")

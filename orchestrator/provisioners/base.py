@@ -50,10 +50,13 @@ class Provisioner(ABC):
     Attributes:
         name: the spec's ``provisioner`` value.
         max_parallel: how many agents are started at once.
+        granted: the nodes were granted by a scheduler for this attempt alone (a restart asks again).
     """
 
     name: str
     max_parallel: int = 64
+    #: the nodes were granted by a scheduler for this attempt alone (a restart asks for new ones)
+    granted: bool = False
 
     def check(self, pool: ResourcePool) -> None:
         """Refuse, before anything starts, nodes that cannot be reached (or placed) as configured.
@@ -75,7 +78,12 @@ class Provisioner(ABC):
         return "127.0.0.1"
 
     def close(self) -> None:
-        """Release connections once the attempt is over."""
+        """Release connections (and resources held for the attempt) once the attempt is over."""
+
+    def needs_allocation(self) -> bool:
+        """Whether each attempt must first be granted its nodes by a scheduler, and is planned only then
+        (the slurm provisioner on a login node: ``allocate``)."""
+        return False
 
     def forget(self, node_rank: int) -> None:
         """Drop a lost node's connection without waiting for it (it may never answer)."""

@@ -17,8 +17,11 @@ agent: srun gives each step one stdin). ``--overlap`` lets the ranks' own step (
 native) share the CPUs and GPUs the agents' steps hold. A node Slurm takes away (``scontrol update
 state=DOWN``, a failed node) kills its agent's step: the link closes and the attempt fails with
 ``node_lost``, as with any provisioner. Preemption (``SIGTERM`` to the steps) makes every agent stop
-its ranks and say Slurm took its node: a node loss too. Submitting from outside an allocation (``sbatch`` by orch) is not available
-yet: the provisioner refuses with a clear message.
+its ranks and say Slurm took its node: a node loss too.
+
+From a login node (no ``SLURM_JOB_ID``), each attempt first asks Slurm for its allocation
+(:mod:`.slurm_batch`: ``sbatch``, PENDING while queued); the agents are then steps of that job,
+started from here as above, and the allocation is cancelled when the attempt ends.
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ import signal
 import socket
 import subprocess
 import sys
-from typing import Mapping
+import threading
+from typing import Callable, Mapping
 
 from agents.ranks import kill_marked
 
@@ -39,6 +43,7 @@ from ..launchers.slurm import parse_tasks_per_node
 from ..planning import JobPlan, NodePlan, ResourcePool
 from .base import AgentHandle, Provisioner
 from .local import LocalAgent
+from .slurm_batch import BatchAllocation, batch_argv, sbatch_on_path
 
 __all__ = ["SlurmProvisioner", "allocation_nodes"]
 
@@ -72,9 +77,10 @@ def allocation_nodes(env: Mapping[str, str]) -> "collections.OrderedDict[str, in
     missing = [name for name, value in (("SLURM_JOB_ID", env.get("SLURM_JOB_ID")), ("SLURM_JOB_NODELIST", nodelist))
                if not value]
     if missing:
-        raise ProvisionError(f"provisioner slurm runs inside a Slurm allocation (salloc, or an sbatch script): "
-                             f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set here. Submitting "
-                             "from a login node is not available yet; run `salloc -N <nodes> orch run job.yaml`.")
+        raise ProvisionError(f"provisioner slurm: {' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} "
+                             "not set here, so the nodes are known only once Slurm grants the allocation orch asks for "
+                             "when the job is submitted (sbatch). To see the plan, run it inside one: "
+                             "`salloc -N <nodes> orch plan job.yaml`, or give a hostfile.")
     hosts = _run(["scontrol", "show", "hostnames", nodelist], env).split()
     gpus = env.get("SLURM_GPUS_PER_NODE", "").rsplit(":", 1)[-1]
     if gpus.isdigit() and int(gpus) > 0:
@@ -105,11 +111,51 @@ class SlurmProvisioner(Provisioner):
     max_parallel = 32
 
     def __init__(self, srun_args: tuple[str, ...] = (), python: str | None = None,
-                 env: Mapping[str, str] | None = None) -> None:
+                 env: Mapping[str, str] | None = None, sbatch_args: tuple[str, ...] = (),
+                 queue_timeout: float = 86400.0, allocation: BatchAllocation | None = None) -> None:
         self.srun_args = tuple(srun_args)
         self.python = python or sys.executable
         self.env = dict(os.environ if env is None else env)
+        self.sbatch_args = tuple(sbatch_args)
+        self.queue_timeout = queue_timeout
+        self.allocation = allocation
+        self.granted = allocation is not None
         self._nodes: collections.OrderedDict[str, int] | None = None
+
+    def needs_allocation(self) -> bool:
+        """Outside an allocation (no ``SLURM_JOB_ID``): each attempt asks for one first (:meth:`allocate`)."""
+        return not self.env.get("SLURM_JOB_ID")
+
+    def check_allocation_request(self) -> None:
+        """Before a job is stored: sbatch must be here. Raises ProvisionError."""
+        sbatch_on_path(self.env)
+
+    def allocate(self, name: str, nodes: int, slots: int, output: str, hosts: list[str] | None,
+                 exclude: list[str], note: Callable[[str, dict], None],
+                 cancelled: threading.Event) -> SlurmProvisioner | None:
+        """Ask Slurm for an allocation and wait for it (:class:`.slurm_batch.BatchAllocation`); a provisioner
+        inside it, whose :meth:`close` cancels it, or None if ``cancelled`` was set meanwhile.
+
+        Args:
+            name: the Slurm job name; nodes, slots: ``--nodes``, ``--ntasks-per-node``; output: the batch
+                output file; hosts: a hostfile's hosts (``--nodelist``) or None; exclude: lost nodes.
+            note: ``(kind, data)`` for the job's events.
+
+        Raises:
+            ProvisionError: sbatch refused, the job ended unrun, or ``slurm.queue_timeout`` passed.
+        """
+        argv = batch_argv(name, nodes, slots, output, hosts, exclude, self.sbatch_args)
+        alloc = BatchAllocation(argv, self.env, note)
+        alloc.submit()
+        granted = alloc.wait_granted(self.queue_timeout, cancelled)
+        if granted is None:
+            return None
+        return SlurmProvisioner(self.srun_args, self.python, {**self.env, **granted}, allocation=alloc)
+
+    def close(self) -> None:
+        """Cancel the allocation orch asked for (from a login node); nothing inside the user's own."""
+        if self.allocation is not None:
+            self.allocation.cancel()
 
     def nodes(self) -> "collections.OrderedDict[str, int]":
         """The allocation's nodes (read once)."""
@@ -127,6 +173,8 @@ class SlurmProvisioner(Provisioner):
         Raises:
             ProvisionError: naming the hosts outside it.
         """
+        if self.needs_allocation():
+            return  # the hostfile is the request: sbatch --nodelist refuses a host Slurm does not have
         outside = [h for h in pool.hosts if h not in self.nodes()]
         if outside:
             raise ProvisionError(f"provisioner slurm: host(s) {', '.join(outside)} are not in allocation "

@@ -83,12 +83,38 @@ class RayOptions(BaseModel):
 
 
 class SlurmOptions(BaseModel):
-    """How the ``slurm`` provisioner starts the agents inside the job's allocation (the spec's ``slurm``)."""
+    """How the ``slurm`` provisioner starts the agents inside the job's allocation, and how it asks for one
+    from a login node (the spec's ``slurm``; see docs/launchers.md)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     srun_args: list[str] = Field(default_factory=list, description="More arguments of every agent's srun step "
                                  "(e.g. [--mpi=none]); orch sets --nodes, --ntasks, --nodelist, --overlap itself.")
+    sbatch_args: list[str] = Field(default_factory=list, description="From a login node: more arguments of the "
+                                   "sbatch that asks for each attempt's allocation (a string is split as a shell "
+                                   "would), e.g. '--partition=gpu --time=4:00:00 --gpus-per-node=8'; orch sets "
+                                   "--nodes, --ntasks-per-node, --job-name (and --nodelist from a hostfile, --exclude "
+                                   "for lost nodes) itself; --output defaults to the attempt's run directory.")
+    queue_timeout: float = Field(86400.0, gt=0, le=30 * 86400, description="From a login node: seconds an attempt "
+                                 "waits for Slurm to grant its allocation (PENDING) before it fails and the request "
+                                 "is cancelled.")
+
+    @field_validator("sbatch_args", mode="before")
+    @classmethod
+    def _split(cls, v: Any) -> Any:
+        return shlex.split(v) if isinstance(v, str) else v
+
+    @field_validator("sbatch_args")
+    @classmethod
+    def _not_set_by_orch(cls, v: list[str]) -> list[str]:
+        owned = ("-N", "--nodes", "-n", "--ntasks", "--ntasks-per-node", "-J", "--job-name", "-w", "--nodelist",
+                 "--wrap", "-W", "--wait", "--parsable")
+        for arg in v:
+            flag = arg.split("=", 1)[0]
+            if flag in owned or (len(flag) > 2 and flag[:2] in ("-N", "-n", "-J", "-w") and flag[1] != "-"):
+                raise ValueError(f"{arg!r}: orch sets {flag[:2] if flag[1] != '-' else flag} itself (nodes from "
+                                 "num_nodes or the hostfile, slots per node from num_gpus or the hostfile)")
+        return v
 
 
 class PreflightOptions(BaseModel):

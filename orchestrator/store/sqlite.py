@@ -268,8 +268,11 @@ class Store(CheckpointLedger):
         return {r["state"]: r["n"] for r in rows}
 
     def set_state(self, job_id: str, new: JobState, *, cause: dict | None = None,
-                  data: dict | None = None) -> JobRecord:
+                  data: dict | None = None, queued: bool = False) -> JobRecord:
         """Move a job (and its current attempt) to ``new``; the one place state changes.
+
+        ``queued``: the move ends an attempt still waiting for its nodes (a scheduler's queue), which has
+        no attempt record yet: the job's last attempt is left as it is, the event goes under the next number.
 
         The move is checked with ``orchestrator.store.check_transition`` inside the same
         transaction that writes it, so two writers cannot both leave a state. Entering a
@@ -293,7 +296,7 @@ class Store(CheckpointLedger):
                        " cancel_requested = CASE WHEN ? THEN 0 ELSE cancel_requested END WHERE id = ?",
                        (new.value, _dump(cause) if new.is_terminal() else None, now,
                         new == JobState.PENDING, job_id))
-            if attempt and new != JobState.PENDING:
+            if attempt and new != JobState.PENDING and not queued:
                 db.execute("UPDATE attempts SET state = ? WHERE job_id = ? AND number = ?",
                            (new.value, job_id, attempt))
                 if new == JobState.RUNNING:
@@ -303,7 +306,7 @@ class Store(CheckpointLedger):
                     db.execute("UPDATE attempts SET ended_at = ?, cause = ? WHERE job_id = ? AND number = ?",
                                (now, _dump(cause), job_id, attempt))
             # PENDING always announces the next attempt (resume); record it under that number
-            ev_attempt = attempt + 1 if new == JobState.PENDING else attempt
+            ev_attempt = attempt + 1 if new == JobState.PENDING or queued else attempt
             self._event(db, job_id, ev_attempt or None, "state",
                         {"from": old.value, "to": new.value, "cause": cause, **(data or {})}, now)
         return self.get_job(job_id)

@@ -35,7 +35,8 @@ from .attempt import AttemptRun, AttemptServices
 from .orphans import owner_alive, recover_orphans
 from .ports import PortLease
 from .messages import rank_log_tail
-from .prepare import prepare_plan, resume_dir_of
+from .prepare import pool_of, prepare_plan, resume_dir_of
+from .queued import QueuedAttempt, allocation_size
 from .restarts import Restarts
 from .resume import check_fresh_start, check_reachable, check_world, convert, fresh_start_note, crashed_loading, find_start, rewrite_latest, tell_script
 from .settings import Timings
@@ -102,6 +103,7 @@ class Controller:
         self.restarts = Restarts(self.store, self.owner,
                                  lambda job_id, exclude: self.resume(job_id, exclude_hosts=exclude, automatic=True))
         self._runs: dict[str, AttemptRun] = {}
+        self._queued: dict[str, QueuedAttempt] = {}  # job id -> its attempt waiting for a scheduler's nodes
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._services = AttemptServices(self.store, self.metrics, self.targets, self.timings, self._attempt_ended)
@@ -132,15 +134,48 @@ class Controller:
             OrchError: the job cannot be planned.
         """
         job_id = new_job_id(spec.name)
+        provisioner = self.provisioner_factory(spec.provisioner, spec)
+        if provisioner.needs_allocation():  # planned once the scheduler grants the nodes
+            size = self._allocation_size(spec, provisioner)
+            self.store.create_job(job_id, spec.name, spec.to_dict(), owner=self.owner)
+            self._queue(job_id, 1, spec, provisioner, size, lambda granted: self._start_planned(
+                spec, *prepare_plan(spec, self.state_dir, job_id, provisioner=granted), granted))
+            return self.store.get_job(job_id)
         plan, lease = prepare_plan(spec, self.state_dir, job_id)
         try:
-            provisioner = self.provisioner_factory(spec.provisioner, spec)
             self.store.create_job(job_id, spec.name, spec.to_dict(), owner=self.owner)
         except BaseException:
             lease.release()
             raise
         self._start_attempt(spec, plan, lease, provisioner)
         return self.store.get_job(job_id)
+
+    def _allocation_size(self, spec: JobSpec, provisioner: Provisioner) -> tuple[int, int, list[str] | None]:
+        """What a queued attempt asks for (:func:`~.queued.allocation_size`), checked before anything is stored."""
+        provisioner.check_allocation_request()  # type: ignore[attr-defined]
+        return allocation_size(spec, lambda: [(h, len(slots)) for h, slots in pool_of(spec, provisioner).nodes])
+
+    def _queue(self, job_id: str, number: int, spec: JobSpec, provisioner: Provisioner,
+               size: tuple[int, int, list[str] | None], start: Callable[[Provisioner], None]) -> None:
+        def start_then_check(granted: Provisioner) -> None:
+            start(granted)
+            run = self.active_run(job_id)
+            if queued.cancel_event.is_set() and run is not None:  # cancelled while it was being planned
+                run.cancel(queued.cancel_reason)
+
+        run_dir = str(self.state_dir / "jobs" / job_id / f"attempt-{number}")
+        queued = QueuedAttempt(self.store, job_id, number, spec, provisioner, size, run_dir, start_then_check)
+        with self._lock:
+            self._queued[job_id] = queued
+        queued.start()
+
+    def _start_planned(self, spec: JobSpec, plan: JobPlan, lease: PortLease, provisioner: Provisioner) -> None:
+        """Start a queued attempt once planned (the lease released if it cannot start)."""
+        try:
+            self._start_attempt(spec, plan, lease, provisioner)
+        except BaseException:
+            lease.release()
+            raise
 
     def resume(self, job_id: str, exclude_hosts: list[str] | None = None, automatic: bool = False,
                fresh: bool = False) -> JobRecord:
@@ -180,10 +215,24 @@ class Controller:
             spec = spec.model_copy(update={"exclude_hosts": list(dict.fromkeys([*spec.exclude_hosts, *exclude_hosts]))})
         number = job.attempt + 1
         choice = None if fresh else self._start_point(job, spec, automatic)
+        provisioner = self.provisioner_factory(spec.provisioner, spec)
+        if provisioner.needs_allocation():  # planned once the scheduler grants the nodes
+            size = self._allocation_size(spec, provisioner)
+            self._record_resume(job, spec, choice, fresh, automatic, exclude_hosts, None)
+            self._queue(job.id, number, spec, provisioner, size, lambda granted: self._resume_planned(
+                job, spec, number, choice, automatic, granted, None))
+            return self.store.get_job(job.id)
+        self._resume_planned(job, spec, number, choice, automatic, provisioner,
+                             lambda plan: self._record_resume(job, spec, choice, fresh, automatic, exclude_hosts, plan))
+        return self.store.get_job(job.id)
+
+    def _resume_planned(self, job: JobRecord, spec: JobSpec, number: int, choice: Choice | None, automatic: bool,
+                        provisioner: Provisioner, record: Callable[[JobPlan], None] | None) -> None:
+        """Plan the resumed attempt (converting the checkpoint for a new world size), ``record`` it (the
+        job's PENDING; None: recorded already, while queued), start it."""
         info = choice.chosen if choice else None
-        skipped = choice.skipped if choice else []
         args, env = tell_script(spec, choice) if choice else ((), {})
-        plan, lease = prepare_plan(spec, self.state_dir, job.id, attempt=number,
+        plan, lease = prepare_plan(spec, self.state_dir, job.id, attempt=number, provisioner=provisioner,
                                    resume_tag=info.tag if info else None, resume_args=args, resume_env=env)
         if info is not None and info.format != "orch":
             try:
@@ -195,30 +244,38 @@ class Controller:
             lease.release()  # converting may take minutes; the port is reserved again below
             universal, event = convert(info, spec, plan.world_size)
             self.store.add_event(job.id, number, "checkpoint_converted", event)
-            if automatic and not self.restarts.is_pending(job.id):  # cancelled (or resumed by hand) meanwhile
-                return self.store.get_job(job.id)
+            if automatic and record is not None and not self.restarts.is_pending(job.id):
+                return  # cancelled (or resumed by hand) meanwhile
             plan, lease = prepare_plan(spec, self.state_dir, job.id, attempt=number, resume_tag=universal.tag,
-                                       resume_universal_from=info.tag, resume_args=args, resume_env=env)
+                                       provisioner=provisioner, resume_universal_from=info.tag, resume_args=args,
+                                       resume_env=env)
         try:
-            provisioner = self.provisioner_factory(spec.provisioner, spec)
-            latest = rewrite_latest(spec, choice) if choice else None
-            self.store.set_state(job.id, JobState.PENDING, data={
-                "resume_tag": plan.resume_tag, "resume_universal_from": plan.resume_universal_from,
-                "fresh": fresh, "exclude_hosts": spec.exclude_hosts, "automatic": automatic,
-                "checkpoint_format": choice.format if choice else None, "resume_args": list(args),
-                "latest_rewritten": latest,
-                "skipped_checkpoints": [{"tag": s.tag, "problems": list(s.problems)} for s in skipped]})
-            note = fresh_start_note(spec, self.state_dir, job.id) if fresh else None
-            if note:
-                self.store.add_event(job.id, number, "warning", {"message": note})
-            if exclude_hosts:
-                self.store.update_spec(job.id, spec.to_dict())
-            self.store.set_owner(job.id, self.owner)
+            if record is not None:
+                record(plan)
         except BaseException:
             lease.release()
             raise
-        self._start_attempt(spec, plan, lease, provisioner)
-        return self.store.get_job(job.id)
+        self._start_planned(spec, plan, lease, provisioner)
+
+    def _record_resume(self, job: JobRecord, spec: JobSpec, choice: Choice | None, fresh: bool, automatic: bool,
+                       exclude_hosts: list[str] | None, plan: JobPlan | None) -> None:
+        """The job is PENDING again: the resume's start point (``plan``: None while the nodes are to come)."""
+        info = choice.chosen if choice else None
+        args, _ = tell_script(spec, choice) if choice else ((), {})
+        latest = rewrite_latest(spec, choice) if choice else None
+        self.store.set_state(job.id, JobState.PENDING, data={
+            "resume_tag": plan.resume_tag if plan else info.tag if info else None,
+            "resume_universal_from": plan.resume_universal_from if plan else None,
+            "fresh": fresh, "exclude_hosts": spec.exclude_hosts, "automatic": automatic,
+            "checkpoint_format": choice.format if choice else None, "resume_args": list(args),
+            "latest_rewritten": latest,
+            "skipped_checkpoints": [{"tag": s.tag, "problems": list(s.problems)} for s in (choice.skipped if choice else [])]})
+        note = fresh_start_note(spec, self.state_dir, job.id) if fresh else None
+        if note:
+            self.store.add_event(job.id, job.attempt + 1, "warning", {"message": note})
+        if exclude_hosts:
+            self.store.update_spec(job.id, spec.to_dict())
+        self.store.set_owner(job.id, self.owner)
 
     def _start_point(self, job: JobRecord, spec: JobSpec, automatic: bool) -> Choice:
         """The checkpoint a resume starts from (:func:`~.resume.find_start`); with none, whether starting from
@@ -316,7 +373,7 @@ class Controller:
                     and job.owner != self.owner:
                 self.store.request_cancel(job.id)  # its controller may have a restart pending
             return self.store.get_job(job.id)
-        run = self.active_run(job.id)
+        run = self.active_run(job.id) or self._waiting(job.id)
         if run is not None:
             run.cancel(reason)
         elif owner_alive(job.owner):
@@ -343,8 +400,16 @@ class Controller:
         """Whether this controller runs an attempt of the job or will restart it."""
         if self.restarts.is_pending(job_id):
             return True
+        if self._waiting(job_id) is not None:
+            return True
         with self._lock:
             return job_id in self._runs and not self._runs[job_id].done.is_set()
+
+    def _waiting(self, job_id: str) -> QueuedAttempt | None:
+        """The job's attempt this controller has waiting for its nodes, if it still waits."""
+        with self._lock:
+            queued = self._queued.get(job_id)
+        return queued if queued is not None and not queued.done.is_set() else None
 
     # -- automatic restarts (the spec's restart policy: .restarts) -----------------------------
 
@@ -401,6 +466,13 @@ class Controller:
         self._closed.set()
         self.restarts.close()
         with self._lock:
+            queued = list(self._queued.values())
+        for waiting in queued:  # first: a queued attempt granted meanwhile becomes a run
+            if not waiting.done.is_set():
+                waiting.cancel(reason)
+        for waiting in queued:
+            waiting.done.wait(timeout)
+        with self._lock:
             runs = list(self._runs.values())
         for run in runs:
             if cancel and not run.done.is_set():
@@ -435,7 +507,7 @@ class Controller:
                 except Exception:  # noqa: BLE001 - the store may be closing
                     pass
             with self._lock:
-                runs = [r for r in self._runs.values() if not r.done.is_set()]
+                runs = [r for r in [*self._runs.values(), *self._queued.values()] if not r.done.is_set()]
             for run in runs:
                 try:
                     if self.store.get_job(run.job_id).cancel_requested:

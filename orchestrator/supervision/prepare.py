@@ -27,7 +27,7 @@ from ..provisioners import Provisioner, get_provisioner
 from ..spec import JobSpec, job_deepspeed
 from .ports import PortLease, default_lock_dir, reserve_port
 
-__all__ = ["prepare_plan", "checkpoint_dir_of", "resume_dir_of", "rank_python", "network_preview", "checkpoint_watch"]
+__all__ = ["prepare_plan", "pool_of", "checkpoint_dir_of", "resume_dir_of", "rank_python", "network_preview", "checkpoint_watch"]
 
 
 def checkpoint_dir_of(spec: JobSpec, state_dir: str | Path, job_id: str) -> str:
@@ -118,7 +118,8 @@ def rank_python(spec: JobSpec) -> str:
 def prepare_plan(spec: JobSpec, state_dir: str | Path, job_id: str, *, attempt: int = 1,
                  resume_tag: str | None = None, hold_port: bool = True,
                  resume_universal_from: str | None = None, resume_args: tuple[str, ...] = (),
-                 resume_env: dict[str, str] | None = None) -> tuple[JobPlan, PortLease]:
+                 resume_env: dict[str, str] | None = None,
+                 provisioner: Provisioner | None = None) -> tuple[JobPlan, PortLease]:
     """Gather what the planner needs (the I/O part) and plan one attempt.
 
     Reads the hostfile, applies the filters, checks the nodes can be reached as the
@@ -137,6 +138,8 @@ def prepare_plan(spec: JobSpec, state_dir: str | Path, job_id: str, *, attempt: 
         resume_universal_from: when ``resume_tag`` is a universal checkpoint, the tag it was
             converted from (see :class:`orchestrator.planning.PlanInputs`).
         resume_args, resume_env: how the resumed script is told its checkpoint (:class:`PlanInputs`).
+        provisioner: the one to plan for (default: the spec's, made here); a queued attempt's is the one
+            inside the allocation granted to it.
 
     Returns:
         ``(plan, lease)``; release the lease when the attempt is over.
@@ -145,11 +148,13 @@ def prepare_plan(spec: JobSpec, state_dir: str | Path, job_id: str, *, attempt: 
         OrchError: HostfileError, FilterError, SpecError, PlanError, LaunchError, ProvisionError.
     """
     state_dir = Path(state_dir)
-    provisioner = get_provisioner(spec.provisioner, spec, look_only=not hold_port)
-    pool = _pool(spec, provisioner)
+    if provisioner is None:
+        provisioner = get_provisioner(spec.provisioner, spec, look_only=not hold_port)
+    pool = pool_of(spec, provisioner)
     provisioner.check(pool)
     _check_assigned_devices(spec, pool)
-    if attempt == 1:  # a restart that has just used the spare must still run
+    if attempt == 1 and not provisioner.granted:  # a restart that has just used the spare must still run;
+        # nodes a scheduler granted this attempt alone are asked for again (without the lost ones) by a restart
         _check_restart_policy(spec, provisioner, pool)
     job_ds = job_deepspeed(spec, [len(slots) for _, slots in pool.nodes], os.environ)  # resolved for this world
     master_addr = spec.master_addr or provisioner.master_addr(pool.hosts[0])
@@ -216,7 +221,7 @@ def _check_restart_policy(spec: JobSpec, provisioner: Provisioner, pool: Resourc
     policy = spec.restart
     if not (policy.exclude_failed_nodes and policy.max_restarts and "node_lost" in policy.retry_on):
         return
-    every = _pool(spec.model_copy(update={"num_nodes": -1}), provisioner)
+    every = pool_of(spec.model_copy(update={"num_nodes": -1}), provisioner)
     if len(every.nodes) > len(pool.nodes):
         return
     if spec.num_nodes == -1 and not spec.include and len(pool.nodes) > 1:
@@ -236,7 +241,7 @@ def _check_restart_policy(spec: JobSpec, provisioner: Provisioner, pool: Resourc
                     "exclude_failed_nodes off.")
 
 
-def _pool(spec: JobSpec, provisioner: Provisioner) -> ResourcePool:
+def pool_of(spec: JobSpec, provisioner: Provisioner) -> ResourcePool:
     """The filtered resource pool of a spec, refusing pools a job cannot run on.
 
     The hosts are the hostfile's; without one, what the provisioner finds (a Ray

@@ -87,8 +87,8 @@ def follow_plain(controller: Any, job_id: str, run: Any, args: argparse.Namespac
                     say(resume_words(ev.data), ev.at)
                 running_since = time.monotonic() if ev.data["to"] == "RUNNING" else None
                 last_print = time.monotonic()
-            elif ev.kind == "warning":
-                say(f"warning: {ev.data.get('message')}", ev.at)
+            elif ev.kind in ("warning", "allocation"):
+                say(f"{'warning: ' if ev.kind == 'warning' else ''}{ev.data.get('message')}", ev.at)
             elif ev.kind == "preflight" and ev.data.get("passed"):
                 say(f"preflight passed on {len(ev.data.get('nodes') or [])} node(s) in "
                     f"{ev.data.get('seconds', 0):.2f} s", ev.at)

@@ -51,8 +51,19 @@ def cause_lines(detail: dict) -> list[str]:
     return lines
 
 
+def queue_line(detail: dict) -> str | None:
+    """While a PENDING job waits in a scheduler's queue (slurm from a login node): what the scheduler says."""
+    alloc = detail.get("allocation")
+    if detail.get("state") != "PENDING" or not alloc or alloc.get("state") == "RUNNING":
+        return None
+    return f"waiting for Slurm: {alloc.get('message')}"
+
+
 def render_detail(detail: dict) -> Group:
     parts: list[Any] = [header_line(detail)]
+    waiting = queue_line(detail)
+    if waiting:
+        parts.append(Text(waiting, style="yellow"))
     for line in cause_lines(detail):
         parts.append(Text(line, style="red" if line.startswith("cause") else ""))
     parts.append(ranks_table(detail))

@@ -12,7 +12,7 @@ from rich.text import Text
 
 from .backends import pick_backend
 from .output import ago, console, print_json, styled
-from .render import cause_lines, checkpoint_lines, header_line, ranks_table, start_checkpoint
+from .render import cause_lines, checkpoint_lines, header_line, queue_line, ranks_table, start_checkpoint
 
 
 def cmd_list(args: argparse.Namespace) -> int:
@@ -41,6 +41,9 @@ def cmd_status(args: argparse.Namespace) -> int:
         return 0
     c = console
     c.print(header_line(detail))
+    waiting = queue_line(detail)
+    if waiting:
+        c.print(waiting, markup=False, highlight=False, style="yellow")
     attempts = Table(title="Attempts", box=None, title_justify="left", pad_edge=False)
     for col in ("#", "state", "nodes", "world", "start checkpoint", "started", "cause"):
         attempts.add_column(col, overflow="fold")

@@ -263,8 +263,11 @@
         box.hidden = false;
         box.textContent = err.message;
         $("#job-body").hidden = true;
-        $("#job-header").replaceChildren(el("a", {href: "#/", text: "← all jobs"}));
-        delete S.keys.header;
+        if (S.keys.header !== "missing") {   // built once: a link rebuilt every poll loses clicks
+          $("#job-header").replaceChildren(el("a", {href: "#/", text: "← all jobs"}));
+          $("#job-header").removeAttribute("data-state");
+          S.keys.header = "missing";
+        }
         return;
       }
       throw err;
@@ -293,7 +296,8 @@
     const since = cur && (cur.running_at || cur.created_at);
     const end = cur && (cur.ended_at || null);
     const value = [d.id, d.name, d.state, d.attempt, d.restarts, d.world_size, d.master_addr, d.master_port,
-                   d.run_dir, d.cause, d.next_steps, d.updated_at, since, end, end ? 0 : Math.floor(Date.now() / 1000)];
+                   d.run_dir, d.cause, d.next_steps, d.updated_at, since, end, end ? 0 : Math.floor(Date.now() / 1000),
+                   d.allocation];
     if (!changed("header", value)) return;
     const meta = (label, v) => el("span", {class: "meta"}, `${label} `, el("b", {text: v ?? "–"}));
     const parts = [
@@ -317,6 +321,11 @@
       header.append(el("div", {id: "job-cause", class: cls, style: "flex-basis: 100%"},
         el("b", {text: d.state === "FAILED" ? "failed: " : "stopped: "}), d.cause.message,
         d.cause.kind ? el("span", {class: "kind", text: `(${d.cause.kind})`}) : null));
+    }
+    const alloc = d.allocation;
+    if (d.state === "PENDING" && alloc && alloc.state !== "RUNNING") {  // in a scheduler's queue (slurm, login node)
+      header.append(el("div", {id: "job-waiting", class: "cause note", style: "flex-basis: 100%"},
+        el("b", {text: "waiting for Slurm: "}), alloc.message || ""));
     }
     for (const step of d.next_steps || []) {  // what to do now: the command that continues the job
       header.append(el("div", {class: "next-step", style: "flex-basis: 100%"}, el("b", {text: "next: "}), step));
