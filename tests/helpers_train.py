@@ -151,6 +151,22 @@ def attempt_losses(run_dir: str | Path) -> dict[tuple[int, int], float]:
     return out
 
 
+def training_past(orch, step: int, ranks: int = 3, timeout: float = 180) -> str:
+    """The (only) job's id in ``orch``'s state, once it is RUNNING and each of its ``ranks`` ranks logged a
+    step past ``step`` (AssertionError if it fails or succeeds first, or after ``timeout`` s)."""
+    from conftest import wait_for
+    job_id = wait_for(lambda: (orch.json("list") or [{}])[0].get("id"), 60, "the job")
+
+    def past() -> bool:
+        d = orch.json("status", job_id)
+        assert d["state"] not in ("FAILED", "SUCCEEDED"), d.get("cause")
+        losses = attempt_losses(Path(d["run_dir"])) if d["state"] == "RUNNING" else {}
+        return bool(losses) and min(max((s for (r_, s) in losses if r_ == rank), default=0)
+                                    for rank in range(ranks)) > step
+    wait_for(past, timeout, f"training past step {step}", interval=0.3)
+    return job_id
+
+
 def prebuild_ops(timeout: float = 900) -> None:
     """JIT-build (or load from ~/.cache/torch_extensions) the C++ ops the ranks need, once, here.
 

@@ -145,3 +145,22 @@ def test_close_cancels_a_queued_attempt(tmp_path) -> None:
     assert queue.cancelled.is_set()
     from orchestrator.store import Store
     assert Store(store_path).get_job(job.id).state == JobState.CANCELLED
+
+
+def test_ending_a_queued_attempt_leaves_the_last_attempt_as_it_was(tmp_path) -> None:
+    from orchestrator.store import Store
+    from orchestrator.supervision.orphans import waits_for_nodes
+    store = Store(tmp_path / "orch.db")
+    store.create_job("j", "j", {})
+    assert waits_for_nodes(store, store.get_job("j"))  # submitted, nodes to come
+    store.add_attempt("j", 1, {"nodes": []}, None)
+    assert not waits_for_nodes(store, store.get_job("j"))  # attempt 1 is planned (PENDING before PROVISIONING)
+    store.set_state("j", JobState.PROVISIONING)
+    store.set_state("j", JobState.FAILED, cause={"kind": "node_lost", "message": "lost"})
+    store.set_state("j", JobState.PENDING)  # a resume, queued for its nodes
+    assert waits_for_nodes(store, store.get_job("j"))
+    store.set_state("j", JobState.FAILED, cause={"kind": "allocation", "message": "refused"}, queued=True)
+    job, first = store.get_job("j"), store.get_attempt("j", 1)
+    assert job.cause["kind"] == "allocation" and job.attempt == 1
+    assert first.state == JobState.FAILED and first.cause["kind"] == "node_lost"
+    assert store.events("j")[-1].attempt == 2

@@ -152,15 +152,7 @@ def test_a_node_set_down_restarts_in_a_new_allocation_without_it(slurm_cluster, 
                  restart={"max_restarts": 1, "backoff_seconds": 0, "exclude_failed_nodes": True})
     proc = _orch_run(slurm_cluster, orch, spec)
     try:
-        job_id = wait_for(lambda: (orch.json("list") or [{}])[0].get("id"), 60, "the job")
-
-        def past() -> bool:
-            d = orch.json("status", job_id)
-            assert d["state"] not in ("FAILED", "SUCCEEDED"), d.get("cause")
-            losses = helpers_train.attempt_losses(Path(d["run_dir"])) if d["state"] == "RUNNING" else {}
-            return bool(losses) and min(max((s for (r_, s) in losses if r_ == rank), default=0)
-                                        for rank in range(3)) > interval + 2
-        wait_for(past, 240, "training past the first checkpoint", interval=0.3)
+        job_id = helpers_train.training_past(orch, interval + 2, timeout=240)
         first = orch.json("status", job_id)["nodes"]
         down = first[1]
         t_down = time.time()

@@ -46,20 +46,6 @@ def _spec(write_spec, tmp_path: Path, *, launcher: str, steps: int, interval: in
     return write_spec(**fields)
 
 
-def _training_past(orch, step: int) -> str:
-    """The (only) job's id, once it is RUNNING and every one of its 3 ranks logged a step past ``step``."""
-    job_id = wait_for(lambda: (orch.json("list") or [{}])[0].get("id"), 60, "the job")
-
-    def past() -> bool:
-        d = orch.json("status", job_id)
-        assert d["state"] not in ("FAILED", "SUCCEEDED"), d.get("cause")
-        losses = helpers_train.attempt_losses(Path(d["run_dir"])) if d["state"] == "RUNNING" else {}
-        return bool(losses) and min(max((s for (r_, s) in losses if r_ == rank), default=0)
-                                    for rank in range(3)) > step
-    wait_for(past, 180, f"training past step {step}", interval=0.3)
-    return job_id
-
-
 def _salloc(cluster, orch, *args: str, nodes: int = 4) -> list[str]:
     return ["salloc", "-N", str(nodes), "--ntasks-per-node=1", "--no-kill", *orch.cmd(*args)]
 
@@ -87,7 +73,7 @@ def test_node_set_down_is_a_node_loss_and_resumes_on_the_spare(slurm_cluster, or
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     down = slurm_cluster.names[victim]
     try:
-        job_id = _training_past(orch, interval + 2)
+        job_id = helpers_train.training_past(orch, interval + 2)
         t0 = time.monotonic()
         slurm_cluster.set_state(down, "DOWN", "orch test")
         wait_for(lambda: orch.json("status", job_id)["state"] == "FAILED", 60, "FAILED", interval=0.1)
@@ -130,7 +116,7 @@ def test_preemption_sigterm_is_a_node_loss_and_resumes(slurm_cluster, orch, writ
     proc = subprocess.Popen(_salloc(slurm_cluster, orch, "run", str(spec)), env={**slurm_cluster.env, **orch.env()},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        job_id = _training_past(orch, interval + 2)
+        job_id = helpers_train.training_past(orch, interval + 2)
         slurm_job = slurm_cluster.run(["squeue", "-h", "-o", "%i"]).stdout.split()[0]
         slurm_cluster.run(["scancel", "--signal=TERM", slurm_job])
         wait_for(lambda: orch.json("status", job_id)["state"] == "FAILED", 60, "FAILED", interval=0.1)

@@ -43,7 +43,7 @@ from ..launchers.slurm import parse_tasks_per_node
 from ..planning import JobPlan, NodePlan, ResourcePool
 from .base import AgentHandle, Provisioner
 from .local import LocalAgent
-from .slurm_batch import BatchAllocation, batch_argv, sbatch_on_path
+from .slurm_batch import BatchAllocation, batch_argv, sbatch_on_path, slurm_command
 
 __all__ = ["SlurmProvisioner", "allocation_nodes"]
 
@@ -51,14 +51,7 @@ _TIMEOUT_S = 30.0
 
 
 def _run(argv: list[str], env: Mapping[str, str]) -> str:
-    try:
-        r = subprocess.run(argv, capture_output=True, text=True, timeout=_TIMEOUT_S, env=dict(env))
-    except FileNotFoundError:
-        raise ProvisionError(f"provisioner slurm: {argv[0]} is not on PATH (Slurm's client commands are needed "
-                             "on the machine orch runs on)") from None
-    except subprocess.TimeoutExpired:
-        raise ProvisionError(f"provisioner slurm: {' '.join(argv)} did not answer within {_TIMEOUT_S:.0f} s "
-                             "(is slurmctld reachable?)") from None
+    r = slurm_command(argv, env)
     if r.returncode != 0:
         raise ProvisionError(f"provisioner slurm: {' '.join(argv)} failed: {r.stderr.strip() or r.returncode}")
     return r.stdout

@@ -30,7 +30,7 @@ from typing import Callable, Mapping, Sequence
 from ..errors import ProvisionError
 from ..launchers.slurm import compress_hostlist
 
-__all__ = ["BatchAllocation", "batch_argv", "hold_script", "IDLE_S", "sbatch_on_path"]
+__all__ = ["BatchAllocation", "batch_argv", "slurm_command", "hold_script", "IDLE_S", "sbatch_on_path"]
 
 _TIMEOUT_S = 30.0
 _POLL_S = 1.0
@@ -52,6 +52,22 @@ done
 
 #: squeue states in which the allocation is still coming (anything else but RUNNING: it ended).
 _WAITING = {"PENDING", "CONFIGURING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESIZING", "SUSPENDED"}
+
+
+def slurm_command(argv: list[str], env: Mapping[str, str], stdin: str | None = None) -> subprocess.CompletedProcess:
+    """Run one of Slurm's client commands (``_TIMEOUT_S`` at most); its result, whatever its exit status.
+
+    Raises:
+        ProvisionError: the command is not on PATH, or did not answer in time.
+    """
+    try:
+        return subprocess.run(argv, input=stdin, capture_output=True, text=True, timeout=_TIMEOUT_S, env=dict(env))
+    except FileNotFoundError:
+        raise ProvisionError(f"provisioner slurm: {argv[0]} is not on PATH (Slurm's client commands are needed "
+                             "on the machine orch runs on)") from None
+    except subprocess.TimeoutExpired:
+        raise ProvisionError(f"provisioner slurm: {' '.join(argv)} did not answer within {_TIMEOUT_S:.0f} s "
+                             "(is slurmctld reachable?)") from None
 
 
 def batch_argv(name: str, nodes: int, slots: int, output: str, hosts: Sequence[str] | None = None,
@@ -117,14 +133,7 @@ class BatchAllocation:
         self.job_id: str | None = None
 
     def _run(self, argv: list[str], stdin: str | None = None) -> subprocess.CompletedProcess:
-        try:
-            return subprocess.run(argv, input=stdin, capture_output=True, text=True, timeout=_TIMEOUT_S, env=self.env)
-        except FileNotFoundError:
-            raise ProvisionError(f"provisioner slurm: {argv[0]} is not on PATH (Slurm's client commands are "
-                                 "needed on the machine orch runs on)") from None
-        except subprocess.TimeoutExpired:
-            raise ProvisionError(f"provisioner slurm: {argv[0]} did not answer within {_TIMEOUT_S:.0f} s "
-                                 "(is slurmctld reachable?)") from None
+        return slurm_command(argv, self.env, stdin)
 
     def submit(self) -> str:
         """Run sbatch; the Slurm job id.

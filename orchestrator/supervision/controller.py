@@ -32,7 +32,7 @@ from ..provisioners import Provisioner, get_provisioner
 from ..spec import JobSpec, spec_from_dict
 from ..store import JobRecord, JobState, Store
 from .attempt import AttemptRun, AttemptServices
-from .orphans import owner_alive, recover_orphans
+from .orphans import owner_alive, recover_orphans, waits_for_nodes
 from .ports import PortLease
 from .messages import rank_log_tail
 from .prepare import pool_of, prepare_plan, resume_dir_of
@@ -128,7 +128,9 @@ class Controller:
         """Plan the job's first attempt and start it.
 
         Planning happens before anything is stored or started, so a bad hostfile,
-        filter or port raises here and leaves no trace.
+        filter or port raises here and leaves no trace. A provisioner whose nodes a scheduler
+        grants (slurm from a login node: ``needs_allocation()``) has its request checked here;
+        the job is then stored PENDING and planned once the nodes are granted (:mod:`.queued`).
 
         Raises:
             OrchError: the job cannot be planned.
@@ -379,11 +381,12 @@ class Controller:
         elif owner_alive(job.owner):
             self.store.request_cancel(job.id)
         else:  # its controller is gone (and with it the agents): sweep, then record
+            queued = waits_for_nodes(self.store, job)
             if job.attempt:
                 kill_marked(f"{job.id}.{job.attempt}")
-            self.store.set_state(job.id, JobState.CANCELLED,
+            self.store.set_state(job.id, JobState.CANCELLED, queued=queued,
                                  cause={"kind": "cancelled", "message": "cancelled by the user"})
-            if job.attempt:
+            if job.attempt and not queued:
                 self.store.mark_stopped(job.id, job.attempt)
         return self.store.get_job(job.id)
 

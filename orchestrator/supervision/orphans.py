@@ -18,7 +18,7 @@ from agents.ranks import kill_marked
 from ..errors import StateError
 from ..store import JobState, Store
 
-__all__ = ["recover_orphans", "owner_alive"]
+__all__ = ["recover_orphans", "owner_alive", "waits_for_nodes"]
 
 
 def recover_orphans(store: Store) -> list[str]:
@@ -43,15 +43,24 @@ def recover_orphans(store: Store) -> list[str]:
                  "went away; its agents stopped the ranks. Continue from the last checkpoint with: "
                  f"orch resume {job.id}" + (" (an orch server restarts it if its restart policy says so)"
                                             if server else "")}
+        queued = waits_for_nodes(store, job)
         try:
-            store.set_state(job.id, JobState.FAILED, cause=cause)
+            store.set_state(job.id, JobState.FAILED, cause=cause, queued=queued)
         except StateError:  # someone else recorded an end meanwhile
             continue
-        if job.attempt:
+        if job.attempt and not queued:
             store.mark_stopped(job.id, job.attempt)
         store.set_owner(job.id, None)
         recovered.append(job.id)
     return recovered
+
+
+def waits_for_nodes(store: Store, job: Any) -> bool:
+    """The job is PENDING with an attempt still waiting for a scheduler's nodes (no attempt record yet:
+    its last one has ended), as a queued attempt leaves it (``supervision/queued.py``)."""
+    if job.state != JobState.PENDING:
+        return False
+    return not job.attempt or store.get_attempt(job.id, job.attempt).ended_at is not None
 
 
 def owner_alive(owner: dict[str, Any] | None) -> bool:
