@@ -46,9 +46,14 @@ def _spec(tmp_path, **fields):
 def test_sbatch_args_split_and_orch_owned_flags_refused(tmp_path) -> None:
     assert _spec(tmp_path, slurm={"sbatch_args": "--partition=gpu --time='1:00:00'"}).slurm.sbatch_args == [
         "--partition=gpu", "--time=1:00:00"]
-    for bad in ("--nodes=4", "-N4", "--ntasks-per-node=8", "--job-name=x", "-w n1", "--wrap=true"):
-        with pytest.raises(SpecError, match="orch sets"):
+    for bad, why in [("--nodes=4", "nodes from num_nodes"), ("-N4", "nodes from num_nodes"),
+                     ("--ntasks-per-node=8", "ranks per node from num_gpus"), ("--job-name=x", "orch-<job id>"),
+                     ("-w n1", "nodes from num_nodes"), ("--wrap=true", "its own script"), ("--array=1-2", "array"),
+                     ("--test-only", "submit nothing"), ("-x n3", "exclude_hosts"), ("--exclude=n3", "exclude_hosts")]:
+        with pytest.raises(SpecError, match=why):
             _spec(tmp_path, slurm={"sbatch_args": bad})
+    assert _spec(tmp_path, slurm={"sbatch_args": "-o /shared/%j.out -D /shared --comment=x"}).slurm.sbatch_args[:2] == [
+        "-o", "/shared/%j.out"]
     with pytest.raises(SpecError, match="queue_timeout"):
         _spec(tmp_path, slurm={"queue_timeout": 0})
 

@@ -141,6 +141,12 @@ def test_submitted_to_a_server_queued_shown_and_cancelled(slurm_cluster, orch, w
             assert detail["attempts"] == [] and detail["cause"]["kind"] == "cancelled", detail
             wait_for(lambda: browser.execute_script(JOB_STATE_JS) == "CANCELLED", 15, "the dashboard's CANCELLED")
             assert not browser.execute_script("return document.querySelector('#job-waiting')")
+            # it never ran: a resume asks Slurm again, and runs once the blocker is gone
+            r = orch("resume", job_id, "--server", url)
+            assert r.returncode == 0 and "waits for the nodes it asked Slurm for" in r.stdout, r.stdout + r.stderr
+            wait_for(lambda: _squeue(slurm_cluster).get(name, ("", ""))[1] == "PENDING", 30, "the new request queued")
+            slurm_cluster.run(["scancel", blocker])
+            wait_for(lambda: orch.json("status", job_id, "--server", url)["state"] == "SUCCEEDED", 240, "SUCCEEDED")
     finally:
         slurm_cluster.run(["scancel", blocker], check=False)
     slurm_cluster.wait_idle(60)
@@ -205,3 +211,19 @@ def test_a_controller_that_dies_leaves_no_allocation(slurm_cluster, orch, write_
         if proc.poll() is None:
             proc.kill()
         slurm_cluster.wait_idle(60)
+
+
+def test_a_request_slurm_cannot_meet_says_so_and_times_out(slurm_cluster, orch, write_spec, tmp_path) -> None:
+    spec = _spec(write_spec, tmp_path, steps=5, name="login-toobig", num_nodes=len(slurm_cluster.names) + 1,
+                 slurm={"queue_timeout": 6})
+    proc = _orch_run(slurm_cluster, orch, spec)
+    out, err = proc.communicate(timeout=120)
+    detail = json.loads(out)
+    assert proc.returncode == 1 and detail["state"] == "FAILED", detail
+    cause = detail["cause"]
+    assert cause["kind"] == "allocation" and "PartitionNodeLimit" in cause["message"] and \
+        "slurm.queue_timeout = 6 s" in cause["message"], cause
+    assert "more nodes than the partition allows" in err and "it may never start as asked" in err, err
+    assert detail["next_steps"] and "slurm.sbatch_args" in detail["next_steps"][0]
+    wait_for(lambda: not any(n.startswith(f"orch-{detail['id']}") and st in ("PENDING", "RUNNING")
+                             for n, (_, st) in _squeue(slurm_cluster).items()), 15, "the request cancelled")

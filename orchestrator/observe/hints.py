@@ -26,6 +26,11 @@ def next_steps(detail: dict[str, Any]) -> list[str]:
     job = detail["id"]
     cause = detail.get("cause") or {}
     kind = cause.get("kind")
+    if kind == "allocation":  # Slurm refused, or never granted, the nodes (slurm from a login node)
+        return [f"fix the request (the spec's num_nodes, num_gpus, slurm.sbatch_args; or slurm.queue_timeout), then "
+                f"run the fixed spec as a new job (orch run SPEC); if it was only the queue: orch resume {job}"]
+    if (detail.get("state") == "CANCELLED" or kind in (None, "cancelled")) and not detail.get("attempts"):
+        return [f"it never started (cancelled while waiting for its nodes); start it again: orch resume {job}"]
     if detail.get("state") == "CANCELLED" or kind in (None, "cancelled"):
         return [f"resume it from its last complete checkpoint: orch resume {job}"]
     if kind == "node_lost":

@@ -50,6 +50,22 @@ done
 """
 
 
+#: squeue reasons that waiting alone may not cure (Slurm's "Job Reason Codes"), and what they mean
+_STUCK = {
+    "PartitionNodeLimit": "more nodes than the partition allows or has up",
+    "PartitionTimeLimit": "a longer --time than the partition allows",
+    "PartitionDown": "the partition is down",
+    "PartitionInactive": "the partition is inactive",
+    "BadConstraints": "the constraints (--constraint, --gpus-per-node, ...) cannot be met",
+    "ReqNodeNotAvail": "a node the request needs is not available (down, drained or reserved)",
+    "JobHeldUser": "the job is held (--hold): scontrol release <job> lets it run",
+    "JobHeldAdmin": "an administrator holds the job",
+    "InvalidAccount": "the account is not valid",
+    "InvalidQOS": "the QOS is not valid",
+    "AssocMaxNodesPerJobLimit": "more nodes than the account may use per job",
+    "QOSMaxNodePerJobLimit": "more nodes than the QOS allows per job",
+}
+
 #: squeue states in which the allocation is still coming (anything else but RUNNING: it ended).
 _WAITING = {"PENDING", "CONFIGURING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESIZING", "SUSPENDED"}
 
@@ -172,7 +188,8 @@ class BatchAllocation:
             if r.returncode != 0 and "invalid job id" not in r.stderr.lower():
                 state, reason, nodelist = last_state, f"squeue failed: {r.stderr.strip()}", ""  # slurmctld busy: ask again
             else:
-                state, reason, nodelist = (r.stdout.strip().split("|") + ["", "", ""])[:3]
+                first = (r.stdout.strip().splitlines() or [""])[0]  # one line: orch asks for no array
+                state, reason, nodelist = (first.split("|") + ["", "", ""])[:3]
             last_state = state or last_state
             if state == "RUNNING" and nodelist:
                 waited = time.monotonic() - t0
@@ -187,14 +204,18 @@ class BatchAllocation:
                                      "sbatch's --output names")
             if reason != last_reason:
                 last_reason = reason
+                said = f" ({reason})" if reason and reason != "None" else ""
+                hint = _STUCK.get(reason)
                 self.note("allocation", {"slurm_job": self.job_id, "state": state, "reason": reason,
-                                         "message": f"Slurm job {self.job_id} {state}"
-                                                    + (f" ({reason})" if reason and reason != "None" else "")})
+                                         "message": f"Slurm job {self.job_id} {state}{said}"
+                                                    + (f": {hint}; it may never start as asked (orch cancel, or it "
+                                                       f"fails after slurm.queue_timeout)" if hint else "")})
             if time.monotonic() - t0 > timeout:
                 self.cancel()
-                raise ProvisionError(f"provisioner slurm: Slurm job {self.job_id} was still {state} ({reason}) after "
-                                     f"slurm.queue_timeout = {timeout:.0f} s; it is cancelled. Ask for fewer nodes, "
-                                     "another partition, or raise slurm.queue_timeout.")
+                hint = _STUCK.get(reason, "the cluster is busy, or the request is more than it can give")
+                raise ProvisionError(f"provisioner slurm: Slurm job {self.job_id} was still {state} ({reason}: {hint}) "
+                                     f"after slurm.queue_timeout = {timeout:.0f} s; it is cancelled. Change the "
+                                     "request (num_nodes, num_gpus, slurm.sbatch_args) or raise slurm.queue_timeout.")
 
     def _env(self, nodelist: str) -> "collections.OrderedDict[str, str]":
         hosts = self._run(["scontrol", "show", "hostnames", nodelist]).stdout.split()

@@ -107,14 +107,28 @@ class SlurmOptions(BaseModel):
     @field_validator("sbatch_args")
     @classmethod
     def _not_set_by_orch(cls, v: list[str]) -> list[str]:
-        owned = ("-N", "--nodes", "-n", "--ntasks", "--ntasks-per-node", "-J", "--job-name", "-w", "--nodelist",
-                 "--wrap", "-W", "--wait", "--parsable")
         for arg in v:
             flag = arg.split("=", 1)[0]
-            if flag in owned or (len(flag) > 2 and flag[:2] in ("-N", "-n", "-J", "-w") and flag[1] != "-"):
-                raise ValueError(f"{arg!r}: orch sets {flag[:2] if flag[1] != '-' else flag} itself (nodes from "
-                                 "num_nodes or the hostfile, slots per node from num_gpus or the hostfile)")
+            if not flag.startswith("--") and len(flag) > 2:  # -N4: a short option with its value attached
+                flag = flag[:2]
+            why = _SBATCH_REFUSED.get(flag)
+            if why:
+                raise ValueError(f"{arg!r}: {why}")
         return v
+
+
+_NODES = "orch sets it (nodes from num_nodes or the hostfile, ranks per node from num_gpus or the hostfile's slots)"
+#: sbatch options ``slurm.sbatch_args`` may not carry, and why (the options sbatch documents, ``sbatch --help``)
+_SBATCH_REFUSED = {
+    **dict.fromkeys(("-N", "--nodes", "-n", "--ntasks", "--ntasks-per-node", "-w", "--nodelist"), _NODES),
+    **dict.fromkeys(("-x", "--exclude"), "list the hosts to leave out in the spec's exclude_hosts (orch adds the "
+                                          "nodes a restart loses to them)"),
+    **dict.fromkeys(("-J", "--job-name"), "orch names the job orch-<job id>-<attempt> (squeue shows it)"),
+    "--parsable": "orch sets it (it reads the job id)",
+    **dict.fromkeys(("--wrap", "-W", "--wait"), "orch gives sbatch its own script, which holds the allocation"),
+    **dict.fromkeys(("-a", "--array"), "one attempt is one allocation: a job array would be several"),
+    **dict.fromkeys(("--test-only",), "it would submit nothing: the attempt would wait for nodes never asked for"),
+}
 
 
 class PreflightOptions(BaseModel):

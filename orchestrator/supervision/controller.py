@@ -189,7 +189,8 @@ class Controller:
         ``checkpoint_converted``), and the attempt starts from ``<tag>_universal`` with
         ``checkpoint.load_universal`` in its DeepSpeed config and ``ORCH_RESUME_UNIVERSAL=1``.
         Without a complete checkpoint the attempt starts from step 0 only where the job never
-        checkpointed (see :func:`~.resume.check_fresh_start`) or ``fresh`` asks for it.
+        checkpointed (see :func:`~.resume.check_fresh_start`) or ``fresh`` asks for it; a job that never
+        had an attempt (cancelled while Slurm queued it) starts as submitted.
 
         Args:
             job_id: the job (or a unique prefix of its id).
@@ -216,7 +217,8 @@ class Controller:
         if exclude_hosts:
             spec = spec.model_copy(update={"exclude_hosts": list(dict.fromkeys([*spec.exclude_hosts, *exclude_hosts]))})
         number = job.attempt + 1
-        choice = None if fresh else self._start_point(job, spec, automatic)
+        never_ran = not self.store.attempts(job.id)  # cancelled while its nodes were to come: as submitted
+        choice = None if fresh or never_ran else self._start_point(job, spec, automatic)
         provisioner = self.provisioner_factory(spec.provisioner, spec)
         if provisioner.needs_allocation():  # planned once the scheduler grants the nodes
             size = self._allocation_size(spec, provisioner)

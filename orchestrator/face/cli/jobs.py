@@ -179,6 +179,11 @@ def cmd_resume(args: argparse.Namespace) -> int:
         return _resume_preview(args, url)
     if url:
         detail = HttpBackend(url).resume(args.job, args.exclude, args.fresh)
+        attempts = detail.get("attempts") or []
+        if detail.get("state") == "PENDING" and (not attempts or attempts[-1].get("ended_at")):  # nodes to come
+            emit_detail(detail, args, f"Resumed job {detail['id']}: its next attempt waits for the nodes it asked "
+                                       f"Slurm for (orch status {detail['id']})")
+            return 0
         start = start_checkpoint(detail["attempts"][-1])
         emit_detail(detail, args, f"Resumed job {detail['id']}: attempt {detail['attempt']} from checkpoint "
                                    f"{start if start != '-' else '(none: from the start)'}")
@@ -190,6 +195,11 @@ def cmd_resume(args: argparse.Namespace) -> int:
     try:
         before = controller.store.events(controller.get(args.job).id)
         job = controller.resume(args.job, exclude_hosts=args.exclude, fresh=args.fresh)
+        if controller.busy(job.id) and controller.active_run(job.id) is None:  # its nodes are to come (Slurm)
+            if args.output != "json":
+                console.print(f"Resuming job {job.id}: its next attempt waits for the nodes it asks Slurm for",
+                              markup=False, highlight=False)
+            return follow_embedded(controller, job.id, args, since_event=before[-1].id if before else 0)
         attempt = controller.store.get_attempt(job.id, job.attempt)
         if args.output != "json":
             start = start_checkpoint(attempt.to_dict())
@@ -223,6 +233,11 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     if ended:
         emit_detail(detail, args, f"Job {job} had already ended ({detail['state']}); nothing is running (an "
                                   "automatic restart it was waiting for, if any, is called off)")
+        return 0
+    attempts = detail.get("attempts") or []
+    if not args.wait and (not attempts or attempts[-1].get("ended_at")):  # it only waited for nodes (Slurm)
+        emit_detail(detail, args, f"Cancelling job {job} ({detail['state']}): no rank had started; the request for "
+                                  f"its nodes is cancelled (scancel). Watch it with: orch status {job}")
         return 0
     if not args.wait:
         grace = (detail.get("spec") or {}).get("stop_grace_seconds", 10)
