@@ -40,7 +40,7 @@ from . import devices, network
 from .adopted import SHIM, AdoptedRank, log_tail, write_plans, wrong_tool
 from .nodeenv import node_env
 from .link import MessageReader, MessageWriter
-from .ranks import RankProcess, become_subreaper, describe_returncode, kill_descendants, kill_marked, stop_all
+from .ranks import RankProcess, become_subreaper, private_files, describe_returncode, kill_descendants, kill_marked, stop_all
 
 __all__ = ["Agent", "main", "rank_env"]
 
@@ -535,6 +535,7 @@ def rank_env(base_env: dict[str, str], node: dict, rank: dict) -> dict[str, str]
 
 def main() -> int:
     """Entry point of ``python -m agents.agent``: serve one node over stdin/stdout."""
+    private_files()  # the agent's logs and records: 0600; its ranks keep the user's umask
     link_fd = os.dup(1)
     os.dup2(2, 1)  # stray prints go to the agent log, not into the message stream
     sys.stdout = os.fdopen(1, "w", buffering=1)

@@ -24,7 +24,7 @@ from typing import Callable, Mapping, Sequence
 
 import psutil
 
-__all__ = ["RankProcess", "compose_env", "describe_returncode", "kill_marked", "stop_all", "become_subreaper",
+__all__ = ["RankProcess", "private_files", "user_umask_env", "compose_env", "describe_returncode", "kill_marked", "stop_all", "become_subreaper",
            "kill_descendants", "MARKER_ENV", "NODE_RANK_ENV"]
 
 #: Environment variable whose value tags every process of one attempt, so stragglers
@@ -108,6 +108,37 @@ def describe_returncode(returncode: int) -> str:
     return f"exit code {returncode}"
 
 
+
+#: the umask ranks (and native launchers) start with: the user's, while orch's own files are private
+#: (:func:`private_files`); -1 (unchanged) until then
+USER_UMASK = -1
+#: how a controller tells the agents it starts the user's umask (an ``ORCH_AGENT_*`` marker: not the ranks')
+USER_UMASK_ENV = "ORCH_AGENT_USER_UMASK"
+
+
+def private_files() -> int:
+    """Make the files this process creates from now on private (umask 077: files 0600, directories 0700),
+    while ranks keep starting with the user's umask (``$ORCH_AGENT_USER_UMASK`` when the controller that
+    started this agent had already narrowed its own, else the umask this process had); returns that umask.
+
+    Run once by the controller and by every agent (docs/security.md); a second call changes nothing.
+    """
+    global USER_UMASK
+    old = os.umask(0o077)
+    if USER_UMASK == -1:
+        given = os.environ.get(USER_UMASK_ENV, "")
+        try:
+            USER_UMASK = int(given, 8) & 0o777 if given else old
+        except ValueError:
+            USER_UMASK = old
+    return USER_UMASK
+
+
+def user_umask_env() -> dict[str, str]:
+    """What a provisioner adds to an agent's environment so its ranks get the user's umask."""
+    return {USER_UMASK_ENV: f"{USER_UMASK:03o}"} if USER_UMASK != -1 else {}
+
+
 class RankProcess:
     """One rank's process: started in its own session, output copied to a log file.
 
@@ -154,7 +185,7 @@ class RankProcess:
         self.popen = subprocess.Popen(
             self.argv, env=self.env, cwd=self.cwd, stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
-            preexec_fn=_die_with_parent, close_fds=True)
+            preexec_fn=_die_with_parent, close_fds=True, umask=USER_UMASK)
         self._reader = threading.Thread(target=self._copy_output, daemon=True,
                                         name=f"rank{self.global_rank}-output")
         self._reader.start()

@@ -93,6 +93,15 @@ class Orch:
     def cmd(self, *args: str) -> list[str]:
         return [sys.executable, "-m", "orchestrator", *args]
 
+    def token(self) -> str:
+        """The token of the servers of this state dir (``orch server`` creates it)."""
+        return (self.state_dir / "server.token").read_text().strip()
+
+    def http(self) -> Any:
+        """An ``httpx.Client`` sending the server's token (``Authorization: Bearer``)."""
+        import httpx
+        return httpx.Client(headers={"Authorization": f"Bearer {self.token()}"}, timeout=30)
+
     def __call__(self, *args: str, timeout: float = 600, env: dict[str, str] | None = None,
                  check: bool | None = None, replace_env: bool = False) -> subprocess.CompletedProcess:
         r = subprocess.run(self.cmd(*args), capture_output=True, text=True, timeout=timeout,
@@ -320,11 +329,16 @@ def running_server(orch: Orch, *args: str):
 
     def up() -> bool:
         try:
-            return httpx.get(f"{url}/api/health", timeout=1).status_code == 200
-        except httpx.HTTPError:
+            return orch.http().get(f"{url}/api/health", timeout=1).status_code == 200
+        except (OSError, httpx.HTTPError):  # no token yet, or not listening yet: still starting
             return False
     try:
         wait_for(up, 30, "the server to answer")
+        while not getattr(proc, "login_url", None):  # printed before it serves; the Popen carries it
+            line = proc.stderr.readline()
+            assert line, "orch server printed no login URL"
+            if line.startswith("dashboard: "):
+                proc.login_url = line.split(" ", 1)[1].strip()
         yield proc, url
     finally:
         if proc.poll() is None:

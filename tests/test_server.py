@@ -45,9 +45,9 @@ def test_submit_follow_cancel_resume_through_the_server(orch, server, write_spec
     assert json.loads((orch.state_dir / "server.json").read_text())["url"] == url
     wait_for(lambda: orch.json("status", job_id)["state"] == "RUNNING", 60, "RUNNING")
     wait_for(lambda: all(r["step"] for r in orch.json("status", job_id)["ranks"]), 60, "steps on every rank")
-    listed = httpx.get(f"{url}/api/jobs").json()
+    listed = orch.http().get(f"{url}/api/jobs").json()
     assert [j["id"] for j in listed] == [job_id] and listed[0]["world_size"] == 2
-    logs = httpx.get(f"{url}/api/jobs/{job_id}/logs", params={"rank": 1}).json()
+    logs = orch.http().get(f"{url}/api/jobs/{job_id}/logs", params={"rank": 1}).json()
     assert "step=1 loss=10.000000 rank=1" in logs["data"] and logs["eof"] is False
     chunks = [json.loads(line) for line in orch("logs", job_id, "-o", "json", "--tail", "2").stdout.splitlines()]
     assert [c["rank"] for c in chunks] == [0, 1] and all(len(c["lines"]) == 2 for c in chunks)
@@ -72,12 +72,12 @@ def test_submit_follow_cancel_resume_through_the_server(orch, server, write_spec
     assert [a["state"] for a in detail["attempts"]] == ["CANCELLED", "CANCELLED"]
     assert all(a["stopped_at"] for a in detail["attempts"])
 
-    bad = httpx.post(f"{url}/api/jobs/{job_id}/resume?x=1")
+    bad = orch.http().post(f"{url}/api/jobs/{job_id}/resume?x=1")
     assert bad.status_code == 200  # resumable again
     orch("cancel", job_id, "--wait", "30")
-    missing = httpx.get(f"{url}/api/jobs/nope")
+    missing = orch.http().get(f"{url}/api/jobs/nope")
     assert missing.status_code == 404 and "No job 'nope'" in missing.json()["error"]
-    done = httpx.post(f"{url}/api/jobs", json={"spec": {"name": "x"}})
+    done = orch.http().post(f"{url}/api/jobs", json={"spec": {"name": "x"}})
     assert done.status_code == 400 and "entrypoint" in done.json()["error"]
 
 
@@ -107,9 +107,9 @@ def test_server_restart_keeps_history_and_stops_jobs_on_shutdown(orch, server, w
     port = int(url.rsplit(":", 1)[1])
     again = orch.popen("server", "--port", str(port))
     try:
-        wait_for(lambda: _answers(url), 30, "the restarted server")
-        assert {j["id"] for j in httpx.get(f"{url}/api/jobs").json()} == {job, long_id}
-        events = httpx.get(f"{url}/api/jobs/{job}/events").json()
+        wait_for(lambda: _answers(orch, url), 30, "the restarted server")
+        assert {j["id"] for j in orch.http().get(f"{url}/api/jobs").json()} == {job, long_id}
+        events = orch.http().get(f"{url}/api/jobs/{job}/events").json()
         assert [e["data"].get("to") for e in events if e["kind"] == "state"] == ["PROVISIONING", "RUNNING",
                                                                                 "SUCCEEDED"]
     finally:
@@ -117,9 +117,9 @@ def test_server_restart_keeps_history_and_stops_jobs_on_shutdown(orch, server, w
         again.wait(60)
 
 
-def _answers(url: str) -> bool:
+def _answers(orch, url: str) -> bool:
     try:
-        return httpx.get(f"{url}/api/health", timeout=1).status_code == 200
+        return orch.http().get(f"{url}/api/health", timeout=1).status_code == 200
     except httpx.HTTPError:
         return False
 

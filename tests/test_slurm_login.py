@@ -119,13 +119,14 @@ def test_submitted_to_a_server_queued_shown_and_cancelled(slurm_cluster, orch, w
     monkeypatch.setenv("SLURM_CONF", slurm_cluster.env["SLURM_CONF"])
     blocker = _block(slurm_cluster)
     try:
-        with running_server(orch) as (_, url):
+        with running_server(orch) as (server, url):
             r = orch("submit", str(_spec(write_spec, tmp_path, steps=5, name="login-cancel")), "--server", url,
                      "--output", "json")
             assert r.returncode == 0, r.stderr
             job_id = json.loads(r.stdout)["id"]
             name = f"orch-{job_id}-1"
             wait_for(lambda: _squeue(slurm_cluster).get(name, ("", ""))[1] == "PENDING", 30, "the request queued")
+            browser.get(server.login_url)
             browser.get(f"{url}/#/jobs/{job_id}")
             slurm_job = _squeue(slurm_cluster)[name][0]
             line = "const w = document.querySelector('#job-waiting'); return w ? w.textContent : '';"

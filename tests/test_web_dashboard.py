@@ -18,7 +18,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 from conftest import running_server, ROOT, Orch, assert_no_leftovers, wait_for
 
@@ -104,8 +103,9 @@ def _is_red(css_color: str) -> bool:
     return r >= 150 and g <= 110 and b <= 110
 
 
-def test_page_and_static_files_are_served(server) -> None:
+def test_page_and_static_files_are_served(server, orch_m) -> None:
     _, url = server
+    httpx = orch_m.http()  # with the server's token
     page = httpx.get(f"{url}/")
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
     assert '<script src="/static/app.js"></script>' in page.text and "/static/style.css" in page.text
@@ -120,9 +120,10 @@ def test_page_and_static_files_are_served(server) -> None:
 
 
 def test_a_training_job_is_followed_live(server, browser, orch_m, write_spec, hostfile) -> None:
-    _, url = server
+    proc, url = server
     driver = browser
-    driver.get(f"{url}/")
+    driver.get(proc.login_url)  # the URL orch server printed: its cookie, then the dashboard
+    assert driver.current_url == f"{url}/" and "token" not in driver.current_url
     wait_for(lambda: re.fullmatch(r"updated \d\d:\d\d:\d\d", driver.find_element("id", "updated").text), 10,
              "the first refresh")
     _js(driver, "window.__not_reloaded = true;")
@@ -182,7 +183,7 @@ def test_a_training_job_is_followed_live(server, browser, orch_m, write_spec, ho
           f"SUCCEEDED {time.monotonic() - t0:.1f} s after submit")
     wait_for(lambda: [(r["state"], r["step"]) for r in _js(driver, RANKS_JS)] ==
              [("exited", str(STEPS)), ("exited", str(STEPS))], 10, "both ranks exited at the last step")
-    api = httpx.get(f"{url}/api/jobs/{job_id}/progress").json()
+    api = orch_m.http().get(f"{url}/api/jobs/{job_id}/progress").json()
     wait_for(lambda: sum(_js(driver, SERIES_JS, "svg#loss-chart").values()) == len(api["points"]), 5,
              "every reported point on the chart")
     points = _js(driver, SERIES_JS, "svg#loss-chart")

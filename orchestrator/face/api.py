@@ -1,5 +1,8 @@
 """The HTTP API of ``orch server``: thin routes over a :class:`~orchestrator.supervision.Controller`.
 
+Every route but ``/login`` and ``/metrics`` needs the server's token (``Authorization: Bearer``) or the
+dashboard's cookie, and every request a Host header this server answers to (:mod:`.auth`).
+
 Routes (JSON in and out; errors are ``{"error": message, "kind": ErrorClass}`` with 400,
 404 for an unknown job, 409 for an illegal state change):
 
@@ -15,7 +18,8 @@ Routes (JSON in and out; errors are ``{"error": message, "kind": ErrorClass}`` w
 * ``GET  /api/jobs/{id}/logs?rank=R&attempt=K&offset=B``  a rank's log from byte B
 * ``GET  /api/jobs/{id}/progress?attempt=K&since=ID``  reported steps (id, rank, step, at, loss,
   lr, samples_per_second, tokens_per_second, step_seconds), oldest first, after point ``since``
-* ``GET  /metrics``                          the controller's Prometheus metrics (docs/metrics.md)
+* ``GET  /login?token=T``                    the dashboard's login: sets its cookie, redirects to ``/``
+* ``GET  /metrics``                          the controller's Prometheus metrics (docs/metrics.md), no token
 * ``GET  /``                                 the live web dashboard (orchestrator/face/web/index.html)
 * ``GET  /static/{file}``                    its script and style sheet (orchestrator/face/web/)
 """
@@ -28,6 +32,7 @@ from typing import Any
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
+from starlette.middleware.trustedhost import TrustedHostMiddleware
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from .. import __version__
@@ -35,20 +40,30 @@ from ..errors import NotFoundError, OrchError, StateError
 from ..observe import job_detail, job_summary, read_log
 from ..spec import spec_from_dict
 from ..supervision import Controller
+from .auth import AUDIT_FILE, TokenAuth
 
 __all__ = ["WEB_DIR", "create_app"]
 
 WEB_DIR = Path(__file__).resolve().parent / "web"
 
 
-def create_app(controller: Controller) -> FastAPI:
-    """Build the FastAPI app serving ``controller``: the job routes, health, metrics and the dashboard."""
+def create_app(controller: Controller, token: str, allowed_hosts: list[str], secure: bool = False) -> FastAPI:
+    """Build the FastAPI app serving ``controller``: the job routes, health, metrics and the dashboard,
+    behind the Host allowlist and the token check (:mod:`.auth`; audit log in the state directory).
+
+    Args:
+        token: the server's token (:func:`.auth.ensure_token`).
+        allowed_hosts: the Host header values served (anything else: 400).
+        secure: the server speaks TLS (the dashboard's cookie is then ``Secure``).
+    """
     app = FastAPI(title="orch", version=__version__)
     app.add_exception_handler(OrchError, _orch_error)
     app.add_exception_handler(ValueError, _value_error)
     app.include_router(_job_routes(controller))
     app.include_router(_service_routes(controller))
     app.mount("/static", StaticFiles(directory=WEB_DIR), name="static")
+    app.add_middleware(TokenAuth, token=token, audit_path=controller.state_dir / AUDIT_FILE, secure=secure)
+    app.add_middleware(TrustedHostMiddleware, allowed_hosts=allowed_hosts)  # outermost: before the token
     return app
 
 

@@ -87,6 +87,11 @@ def default_targets_dir(state_dir: str | Path) -> Path:
 class TargetsWriter:
     """Writes and removes Prometheus ``file_sd`` files in one directory.
 
+    The files are world-readable (0644; a directory it creates 0755), unlike the rest of orch's state, so a
+    Prometheus running as its own user reads them: they hold the exporters' addresses and job ids only.
+    Under the state directory (the default), that directory's 0700 still keeps other users out: point
+    ``--prometheus-targets`` elsewhere for such a Prometheus (docs/security.md).
+
     Args:
         directory: the targets directory (created on first write).
     """
@@ -103,10 +108,13 @@ class TargetsWriter:
         Raises:
             OSError: the directory cannot be written.
         """
-        self.directory.mkdir(parents=True, exist_ok=True)
+        if not self.directory.is_dir():
+            self.directory.mkdir(parents=True)
+            self.directory.chmod(0o755)  # for a Prometheus running as its own user (Debian's does)
         path = self.path(name)
         tmp = path.with_name(f".{path.name}.tmp")
         tmp.write_text(json.dumps(groups, indent=2, sort_keys=True) + "\n")
+        tmp.chmod(0o644)  # addresses and job ids only, read by Prometheus whatever orch's umask
         os.replace(tmp, path)
         return path
 

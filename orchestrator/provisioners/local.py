@@ -17,7 +17,7 @@ import sys
 from typing import Any
 
 from agents.link import MessageReader, MessageWriter
-from agents.ranks import kill_marked
+from agents.ranks import kill_marked, user_umask_env
 
 from ..errors import ProvisionError
 from ..planning import JobPlan, NodePlan
@@ -86,6 +86,7 @@ class LocalProvisioner(Provisioner):
         env = {k: v for k, v in os.environ.items() if not k.startswith("ORCH_")}
         env["ORCH_AGENT_ATTEMPT_ID"] = plan.attempt_id  # marks the agent; not passed to ranks
         env["ORCH_AGENT_NODE_RANK"] = str(node.node_rank)
+        env.update(user_umask_env())  # ranks get the user's umask; the agent's own files stay private
         try:
             with open(log_path, "ab") as log:
                 proc = subprocess.Popen([self.python, "-u", "-m", "agents.agent"], stdin=subprocess.PIPE,

@@ -36,7 +36,7 @@ import sys
 import threading
 from typing import Callable, Mapping
 
-from agents.ranks import kill_marked
+from agents.ranks import kill_marked, user_umask_env
 
 from ..errors import ProvisionError
 from ..launchers.slurm import parse_tasks_per_node
@@ -193,6 +193,7 @@ class SlurmProvisioner(Provisioner):
         env = {k: v for k, v in self.env.items() if not k.startswith("ORCH_")}
         env["ORCH_AGENT_ATTEMPT_ID"] = plan.attempt_id
         env["ORCH_AGENT_NODE_RANK"] = str(node.node_rank)
+        env.update(user_umask_env())  # ranks get the user's umask; the agent's own files stay private
         env["ORCH_AGENT_SLURM_STEP"] = "1"  # the agent drops its step's own SLURM_* for the ranks
         env["SLURM_OVERLAP"] = "1"  # srun's --overlap for every step started from the nodes (native srun)
         argv = ["srun", f"--jobid={self.env['SLURM_JOB_ID']}", "--nodes=1", "--ntasks=1", f"--nodelist={node.host}",

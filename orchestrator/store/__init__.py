@@ -3,8 +3,9 @@
 May import: ``orchestrator.errors``.
 """
 
+from .private import make_private
 from .sqlite import AttemptRecord, EventRecord, JobRecord, Store
 from .states import TRANSITIONS, JobState, can_transition, check_transition
 
 __all__ = ["JobState", "TRANSITIONS", "check_transition", "can_transition", "Store", "JobRecord", "AttemptRecord",
-           "EventRecord"]
+           "EventRecord", "make_private"]

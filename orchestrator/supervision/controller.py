@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import psutil
 
-from agents.ranks import kill_marked
+from agents.ranks import kill_marked, private_files
 
 from ..checkpoints import needs_universal
 from ..checkpoints.integrity import Choice
@@ -30,7 +30,7 @@ from ..observe import ControllerMetrics, TargetsWriter, default_targets_dir
 from ..planning import JobPlan
 from ..provisioners import Provisioner, get_provisioner
 from ..spec import JobSpec, spec_from_dict
-from ..store import JobRecord, JobState, Store
+from ..store import JobRecord, JobState, Store, make_private
 from .attempt import AttemptRun, AttemptServices
 from .orphans import owner_alive, recover_orphans, waits_for_nodes
 from .ports import PortLease
@@ -88,8 +88,10 @@ class Controller:
                  heartbeat_s: float | None = None, node_timeout_s: float | None = None,
                  agent_lease_s: float | None = None, owner_url: str | None = None,
                  recover_every_s: float = 0.0, prometheus_targets: str | Path | None = None) -> None:
+        private_files()  # orch's own files 0600, directories 0700; ranks keep the user's umask
         self.state_dir = Path(state_dir or default_state_dir()).expanduser().resolve()
         self.state_dir.mkdir(parents=True, exist_ok=True)
+        make_private(self.state_dir)  # the directory and store files from before, too
         self.store = Store(self.state_dir / "orch.db", clock)
         self.provisioner_factory = provisioner_factory
         self.timings = Timings.from_env(heartbeat_s, node_timeout_s, agent_lease_s)

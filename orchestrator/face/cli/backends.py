@@ -70,10 +70,11 @@ class StoreBackend:
 class HttpBackend:
     """Talks to ``orch server``."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, token: str | None = None) -> None:
         import httpx
         self.url = url.rstrip("/")
-        self.http = httpx.Client(base_url=self.url, timeout=60.0)
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.http = httpx.Client(base_url=self.url, timeout=60.0, headers=headers)
 
     def _call(self, method: str, path: str, **kw: Any) -> Any:
         import httpx
@@ -81,6 +82,9 @@ class HttpBackend:
             r = self.http.request(method, path, **kw)
         except httpx.HTTPError as err:
             raise UsageError(f"Cannot reach the orch server at {self.url}: {err}.") from err
+        if r.status_code == 401:
+            raise UsageError(f"The orch server at {self.url} refused the token: give the one in its state dir's "
+                             "server.token (--state-dir, --token-file FILE or $ORCH_TOKEN).")
         if r.status_code >= 400:
             try:
                 body = r.json()
@@ -138,9 +142,23 @@ def find_server(args: argparse.Namespace) -> str | None:
     return None
 
 
+def http_backend(args: argparse.Namespace, url: str) -> HttpBackend:
+    """A client of the server at ``url``, with the token :func:`orchestrator.face.auth.read_token` finds.
+
+    Raises:
+        UsageError: ``--token-file`` cannot be read.
+    """
+    from ..auth import read_token
+    try:
+        token = read_token(state_dir_of(args), getattr(args, "token_file", None))
+    except OSError as err:
+        raise UsageError(f"Cannot read the token file {args.token_file}: {err.strerror or err}.") from None
+    return HttpBackend(url, token)
+
+
 def pick_backend(args: argparse.Namespace) -> StoreBackend | HttpBackend:
     url = find_server(args)
-    return HttpBackend(url) if url else StoreBackend(state_dir_of(args))
+    return http_backend(args, url) if url else StoreBackend(state_dir_of(args))
 
 
 def state_dir_of(args: argparse.Namespace) -> Path:

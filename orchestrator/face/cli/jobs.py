@@ -13,7 +13,7 @@ from rich.text import Text
 
 from agents import devices
 
-from .backends import HttpBackend, StoreBackend, find_server, pick_backend, state_dir_of
+from .backends import StoreBackend, http_backend, find_server, pick_backend, state_dir_of
 from .follow import follow_embedded
 from .options import load_job, report_shell_env
 from .output import UsageError, console, emit_detail, err_console, print_json
@@ -154,7 +154,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def _resume_preview(args: argparse.Namespace, url: str | None) -> int:
     if url:
-        preview = HttpBackend(url).resume_preview(args.job, args.exclude)
+        preview = http_backend(args, url).resume_preview(args.job, args.exclude)
     else:
         from ...supervision import Controller
         StoreBackend(state_dir_of(args)).store  # noqa: B018 - a clear error when there are no jobs at all
@@ -178,7 +178,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
     if args.dry_run:
         return _resume_preview(args, url)
     if url:
-        detail = HttpBackend(url).resume(args.job, args.exclude, args.fresh)
+        detail = http_backend(args, url).resume(args.job, args.exclude, args.fresh)
         attempts = detail.get("attempts") or []
         if detail.get("state") == "PENDING" and (not attempts or attempts[-1].get("ended_at")):  # nodes to come
             emit_detail(detail, args, f"Resumed job {detail['id']}: its next attempt waits for the nodes it asked "
@@ -217,7 +217,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     if not url:
         raise UsageError(f"No orch server is running for state dir {state_dir_of(args)}. Start one with "
                          "`orch server`, or run the job in the foreground with `orch run`.")
-    detail = HttpBackend(url).submit(spec.to_dict(), str(args.spec))
+    detail = http_backend(args, url).submit(spec.to_dict(), str(args.spec))
     report_shell_env(args)
     emit_detail(detail, args, f"Submitted job {detail['id']}")
     return 0

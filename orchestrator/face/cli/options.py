@@ -192,3 +192,5 @@ def common_options(parser: argparse.ArgumentParser, top: bool) -> None:
                         "the file to write here)")
     parser.add_argument("--server", default=default(os.environ.get("ORCH_SERVER")),
                         help="URL of an orch server (default: $ORCH_SERVER, else the one running for the state dir)")
+    parser.add_argument("--token-file", metavar="FILE", default=default(None),
+                        help="file holding the server's token (default: $ORCH_TOKEN, else <state dir>/server.token)")

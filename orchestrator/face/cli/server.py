@@ -45,6 +45,55 @@ def _url_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
+def _is_loopback(host: str) -> bool:
+    import ipaddress
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def allowed_hosts(host: str, extra: list[str]) -> list[str]:
+    """The Host header values the server answers to: loopback, this machine's names, the address it listens
+    on (a wildcard: every address of this machine), and ``--allowed-host``."""
+    import socket
+
+    import psutil
+    names = {"localhost", "127.0.0.1", "::1", socket.gethostname(), socket.getfqdn()}
+    if host in ("0.0.0.0", "::", ""):
+        names |= {a.address.split("%")[0] for addrs in psutil.net_if_addrs().values() for a in addrs
+                  if a.family in (socket.AF_INET, socket.AF_INET6)}
+    else:
+        names.add(host)
+    return sorted(names | set(extra))
+
+
+def _check_binding(args: argparse.Namespace) -> str:
+    """``http`` or ``https``: off loopback, TLS or an explicit ``--insecure-http`` (docs/security.md).
+
+    Raises:
+        UsageError: a non-loopback address without either, or only one of the TLS files.
+    """
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise UsageError("--tls-cert and --tls-key go together: give both (PEM files), or neither.")
+    for path in (args.tls_cert, args.tls_key):
+        if path and not os.path.isfile(path):
+            raise UsageError(f"TLS file {path} does not exist.")
+    if args.tls_cert:
+        return "https"
+    if not _is_loopback(args.host):
+        if not args.insecure_http:
+            raise UsageError(f"--host {args.host} is reachable from other machines: serve it over TLS "
+                             "(--tls-cert FILE --tls-key FILE), or pass --insecure-http to accept that the token and "
+                             "every job's data cross the network in clear (docs/security.md).")
+        err_console.print(f"WARNING: serving plain HTTP on {args.host}: the token and every job's data cross the "
+                          "network unencrypted; anyone on the path can take over this server. Use --tls-cert/"
+                          "--tls-key (docs/security.md).", markup=False, highlight=False, style="bold red")
+    return "http"
+
+
 def cmd_server(args: argparse.Namespace) -> int:
     import socket
 
@@ -53,6 +102,9 @@ def cmd_server(args: argparse.Namespace) -> int:
 
     from ...supervision import Controller
     from ..api import create_app
+    from ...store import make_private
+    from ..auth import ensure_token, login_url
+    scheme = _check_binding(args)
     state_dir = state_dir_of(args)
     running = find_server(argparse.Namespace(server=None, state_dir=str(state_dir)))
     if running:
@@ -66,7 +118,7 @@ def cmd_server(args: argparse.Namespace) -> int:
         sock.close()
         raise UsageError(f"Cannot listen on {args.host}:{args.port}: {err.strerror or err}; choose another "
                          "--port or --host.") from err
-    url = f"http://{args.host}:{args.port}"
+    url = f"{scheme}://{_url_host(args.host)}:{args.port}"  # as this machine's CLI reaches it (wildcard: loopback)
     controller = Controller(state_dir, owner_url=url, recover_every_s=5.0,
                             prometheus_targets=args.prometheus_targets)
     try:
@@ -81,8 +133,20 @@ def cmd_server(args: argparse.Namespace) -> int:
                    markup=False, highlight=False)
     server_file(state_dir).write_text(json.dumps({"url": url, "pid": os.getpid(),
                                                    "create_time": psutil.Process().create_time()}))
-    err_console.print(f"orch server {__version__} on {url} (state dir {state_dir})", markup=False, highlight=False)
-    server = _quiet_server_class()(uvicorn.Config(create_app(controller), log_level="warning"))
+    fixed = make_private(state_dir, walk=True, keep=(controller.targets.directory,))  # from before: 0600/0700
+    if fixed:
+        err_console.print(f"made {fixed} file(s) and directories under {state_dir} private to you (they were "
+                          "readable by others)", markup=False, highlight=False)
+    token = ensure_token(state_dir)
+    err_console.print(f"orch server {__version__} on {scheme}://{args.host}:{args.port} (state dir {state_dir})",
+                      markup=False, highlight=False)
+    public = url if _is_loopback(args.host) else f"{scheme}://{socket.getfqdn()}:{args.port}"
+    err_console.print(f"dashboard: {login_url(public, token)}\n"
+                      f"(the token is in {state_dir / 'server.token'}, readable by you alone; the orch command "
+                      "reads it from there, or from $ORCH_TOKEN or --token-file)", markup=False, highlight=False)
+    app = create_app(controller, token, allowed_hosts(args.host, args.allowed_host or []), secure=scheme == "https")
+    server = _quiet_server_class()(uvicorn.Config(app, log_level="warning", ssl_certfile=args.tls_cert,
+                                                  ssl_keyfile=args.tls_key))
     try:
         server.run(sockets=[sock])
     finally:

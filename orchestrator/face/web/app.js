@@ -203,16 +203,18 @@
   async function tick() {
     if (S.busy) { S.again = true; return; }
     S.busy = true;
-    let reachable = true;
+    let reachable = true, refused = false;
     const guard = async (fn) => {
       try { await fn(); } catch (err) {
-        if (err instanceof HttpError) console.warn(err.message);   // the server answered
+        if (err instanceof HttpError && err.status === 401) refused = true;   // logged out: the token changed
+        else if (err instanceof HttpError) console.warn(err.message);   // the server answered
         else { reachable = false; console.warn("poll failed:", err); }
       }
     };
     await guard(refreshJobs);
-    if (S.jobId && reachable) await guard(refreshJob);
+    if (S.jobId && reachable && !refused) await guard(refreshJob);
     setConnection(reachable);
+    $("#logged-out").hidden = !refused;
     S.busy = false;
     schedule(S.again ? 0 : POLL_MS);
     S.again = false;
