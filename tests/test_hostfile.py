@@ -422,3 +422,27 @@ def test_thousands_of_nodes_resolve_in_milliseconds():
     elapsed = time.perf_counter() - start
     assert a.world_size == 2500 * 8 and b.world_size == 5000 * 7 and c.world_size == 16000
     assert elapsed < 1.0, f"{elapsed:.3f}s"  # ~30 ms here; generous for a loaded CI box
+
+
+@pytest.mark.parametrize("line", ["root:$y$j9T$Qm4yZfc0Uv7bJ8/2t$XyZ:19000:0:99999:7:::",
+                                  "b3BlbnNzaC1rZXktdjEAAAAABG5vbmUAAAAEbm9uZQAAAAAAAAABAAABlwAAAAdzc2gtcn",
+                                  "export HF_TOKEN=hf_abc123 && python train.py"])
+def test_a_line_of_another_file_is_named_never_quoted(tmp_path, line):
+    path = write(tmp_path, line + "\nmore:secret$text\n")
+    with pytest.raises(HostfileError) as info:
+        load_hostfile(path)
+    msg = str(info.value)
+    one_sentence(msg)
+    assert path in msg and "Line 1" in msg and "not shown" in msg and "right file" in msg
+    assert not any(part in msg for part in line.split() if len(part) > 3) and info.value.line is None
+
+
+def test_the_real_shadow_file_is_not_echoed():
+    if not os.access("/etc/shadow", os.R_OK):
+        pytest.fail("these tests run as root: /etc/shadow must be readable", pytrace=False)
+    with open("/etc/shadow") as f:
+        first = f.readline().strip()
+    with pytest.raises(HostfileError) as info:
+        load_hostfile("/etc/shadow")
+    msg = str(info.value)
+    assert first not in msg and (len(first.split(":")[1]) < 2 or first.split(":")[1] not in msg), msg

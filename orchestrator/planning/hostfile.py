@@ -42,8 +42,10 @@ from __future__ import annotations
 import collections
 import os
 import re
+import stat
 
 from ..errors import HostfileError
+from ..spec.files import MAX_INPUT_BYTES
 from .words import clip
 
 __all__ = ["HOSTFILE_FORM", "Hostfile", "parse_hostfile", "load_hostfile"]
@@ -74,6 +76,33 @@ class Hostfile(collections.OrderedDict):
     path: str
     lines: dict[str, int]
     warnings: tuple[str, ...]
+
+
+#: what a hostfile line is made of (host names, IPv4/IPv6 addresses, ``slots=<n>``, comments' words)
+_HOSTFILE_TEXT = re.compile(r"\ufeff?[\w.\-=:\[\],@#%]{1,80}(?:[ \t]+[\w.\-=:\[\],@#%'\"]{1,80}){0,12}")
+
+
+def looks_like_hostfile_text(line: str) -> bool:
+    """Whether a bad line reads as hostfile text, so a message may quote it: only name, address and
+    ``slots=`` characters, a dozen words at most. A line of another file given as the hostfile (a
+    password hash, a key, a script) does not, and is then never echoed (docs/security.md)."""
+    if len(line) > 160 or _HOSTFILE_TEXT.fullmatch(line) is None:
+        return False
+    # a host name's label has at most 63 characters (RFC 1035): a longer bare word is a key or a hash
+    return all(len(label) <= 63 for word in line.split() for label in re.split(r"[.:=\[\],@#%]", word))
+
+
+def _bad_line(path: str, line_no: int, line: str) -> HostfileError:
+    """The error for a line that is not ``<host> slots=<n>``: quoting it only if it reads as hostfile text."""
+    if not looks_like_hostfile_text(line):  # another file given as the hostfile: never quoted
+        return HostfileError(
+            f"Line {line_no} of hostfile {path} is not of the form '{HOSTFILE_FORM}' (e.g. '{_EXAMPLE_LINE}') "
+            f"and does not read as hostfile text either (its {len(line)} character(s) include ones no host name "
+            "or slot count has), so it is not shown; check that this is the right file.", path=path, line_no=line_no)
+    return HostfileError(
+        f"Line {line_no} of hostfile {path} is {clip(line)}, which is not of the form "
+        f"'{HOSTFILE_FORM}' (e.g. '{_EXAMPLE_LINE}'): {_diagnose_line(line)}.",
+        path=path, line_no=line_no, line=line)
 
 
 def _diagnose_line(line: str) -> str:
@@ -137,10 +166,7 @@ def parse_hostfile(text: str, path: str = "<hostfile>") -> Hostfile:
             continue
         m = _HOST_LINE.match(line)
         if m is None:
-            raise HostfileError(
-                f"Line {line_no} of hostfile {path} is {clip(line)}, which is not of the form "
-                f"'{HOSTFILE_FORM}' (e.g. '{_EXAMPLE_LINE}'): {_diagnose_line(line)}.",
-                path=path, line_no=line_no, line=line)
+            raise _bad_line(path, line_no, line)
         host, digits, rest = m.group("host"), m.group("slots"), m.group("rest")
         try:
             slots = int(digits)
@@ -205,8 +231,15 @@ def load_hostfile(path: str | os.PathLike) -> Hostfile:
     name = os.fsdecode(path)
     expected = f"a text file of lines '{HOSTFILE_FORM}'"
     try:
+        mode = os.stat(path).st_mode
+        if not stat.S_ISREG(mode) and not stat.S_ISDIR(mode):  # a pipe would be waited on forever
+            raise HostfileError(f"Hostfile {name} is not a regular file (a pipe, socket or device); expected the "
+                                f"path of {expected}.", path=name)
         with open(path, encoding="utf-8") as fh:
-            text = fh.read()
+            text = fh.read(MAX_INPUT_BYTES + 1)  # /proc files say size 0
+        if len(text) > MAX_INPUT_BYTES:
+            raise HostfileError(f"Hostfile {name} is larger than {MAX_INPUT_BYTES >> 20} MiB, the most orch reads; "
+                                f"expected {expected}.", path=name)
     except FileNotFoundError:
         raise HostfileError(
             f"Hostfile {name} does not exist; expected the path of {expected}.",

@@ -6,14 +6,111 @@ subclass the caller names) that names the file and what was expected.
 from __future__ import annotations
 
 import json
+import os
+import stat
 from pathlib import Path
 from typing import Any, Mapping
 
 import yaml
 
-from ..errors import SpecError
+from ..errors import OrchError, SpecError
 
-__all__ = ["read_yaml", "line_of", "read_deepspeed_config"]
+__all__ = ["read_yaml", "line_of", "read_deepspeed_config", "read_capped", "MAX_INPUT_BYTES", "MAX_DEPTH",
+           "MAX_YAML_VALUES"]
+
+#: the largest spec, config or hostfile read (a hostfile of 100,000 hosts is about 3 MiB)
+MAX_INPUT_BYTES = 8 << 20
+#: the deepest nesting of mappings and lists in a YAML or JSON file (DeepSpeed's configs use 4)
+MAX_DEPTH = 64
+#: the most values a YAML file may stand for once its aliases are expanded (a spec has hundreds)
+MAX_YAML_VALUES = 100_000
+
+
+def read_capped(path: str | Path, what: str, error: type[OrchError]) -> str:
+    """The UTF-8 text of a file users name (spec, config, hostfile), refusing what no such file is.
+
+    Raises:
+        ``error``: the path is missing, a directory or not a regular file (a pipe or device would be
+        read forever), larger than :data:`MAX_INPUT_BYTES`, unreadable, or not UTF-8; each message names
+        the file and what was expected, and quotes nothing of it.
+    """
+    name = os.fsdecode(path)
+    label = what[0].upper() + what[1:]
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise error(f"{label} {name} does not exist.", path=name) from None
+    except OSError as err:
+        raise error(f"Cannot read {what} {name}: {err.strerror}.", path=name) from None
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISDIR(st.st_mode):
+            raise error(f"{label} {name} is a directory; expected a file.", path=name)
+        if not stat.S_ISREG(st.st_mode):
+            raise error(f"{label} {name} is not a regular file (a pipe, socket or device); expected a file.",
+                        path=name)
+        if st.st_size > MAX_INPUT_BYTES:
+            raise error(f"{label} {name} is {st.st_size / (1 << 20):.1f} MiB; orch reads {what}s of at most "
+                        f"{MAX_INPUT_BYTES >> 20} MiB.", path=name)
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            data = f.read(MAX_INPUT_BYTES + 1)  # /proc files say size 0
+    except OSError as err:
+        raise error(f"Cannot read {what} {name}: {err.strerror}.", path=name) from None
+    finally:
+        os.close(fd)
+    if len(data) > MAX_INPUT_BYTES:
+        raise error(f"{label} {name} is larger than {MAX_INPUT_BYTES >> 20} MiB, the most orch reads.", path=name)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise error(f"{label} {name} is not UTF-8 text (bad byte at offset {err.start}); expected a text file.",
+                    path=name) from None
+
+
+def _check_yaml_shape(text: str, name: str, what: str, error: type[SpecError]) -> None:
+    """Refuse nesting deeper than :data:`MAX_DEPTH` (read as a stream of events: nothing recursive yet)."""
+    depth = 0
+    for event in yaml.parse(text, Loader=_UniqueKeyLoader):
+        if isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
+            depth += 1
+            if depth > MAX_DEPTH:
+                raise error(f"{what[0].upper() + what[1:]} {name} nests mappings and lists more than {MAX_DEPTH} "
+                            f"levels deep (at line {event.start_mark.line + 1}); no spec or config needs that.",
+                            path=name)
+        elif isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
+            depth -= 1
+
+
+def _check_yaml_size(tree: yaml.Node | None, name: str, what: str, error: type[SpecError]) -> None:
+    """Refuse a node graph that stands for more than :data:`MAX_YAML_VALUES` values once aliases are expanded
+    (a "billion laughs" alias bomb), or that refers to itself."""
+    sizes: dict[int, int] = {}
+    open_: set[int] = set()
+
+    def size(node: yaml.Node) -> int:
+        key = id(node)
+        if key in sizes:
+            return sizes[key]
+        if key in open_:
+            raise error(f"{what[0].upper() + what[1:]} {name} has an alias that refers to the value it is in (line "
+                        f"{node.start_mark.line + 1}); expected a tree.", path=name)
+        open_.add(key)
+        if isinstance(node, yaml.MappingNode):
+            total = 1 + sum(size(k) + size(v) for k, v in node.value)
+        elif isinstance(node, yaml.SequenceNode):
+            total = 1 + sum(size(v) for v in node.value)
+        else:
+            total = 1
+        open_.discard(key)
+        if total > MAX_YAML_VALUES:
+            raise error(f"{what[0].upper() + what[1:]} {name} stands for more than {MAX_YAML_VALUES:,} values once "
+                        f"its aliases (*name) are expanded (from line {node.start_mark.line + 1}): an alias bomb? "
+                        "Write the values out, or use fewer aliases.", path=name)
+        sizes[key] = total
+        return total
+
+    if tree is not None:
+        size(tree)
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -42,17 +139,11 @@ def read_yaml(p: Path, what: str, error: type[SpecError] = SpecError) -> tuple[A
     Raises:
         ``error`` (a SpecError): the file is missing, unreadable, or not YAML (line and column named).
     """
+    text = read_capped(p, what, error)
     try:
-        text = p.read_text(encoding="utf-8")
-    except FileNotFoundError as err:
-        raise error(f"{what[0].upper() + what[1:]} {p} does not exist.", path=str(p)) from err
-    except OSError as err:
-        raise error(f"Cannot read {what} {p}: {err.strerror}.", path=str(p)) from err
-    except UnicodeDecodeError as err:
-        raise error(f"{what[0].upper() + what[1:]} {p} is not UTF-8 text (bad byte at offset {err.start}); "
-                    "expected a YAML file.", path=str(p)) from err
-    try:
+        _check_yaml_shape(text, str(p), what, error)
         tree = yaml.compose(text, Loader=_UniqueKeyLoader)
+        _check_yaml_size(tree, str(p), what, error)
         data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
@@ -94,18 +185,31 @@ def read_deepspeed_config(cfg: str | Mapping[str, Any] | None) -> dict:
         return {}
     if isinstance(cfg, Mapping):
         return dict(cfg)
-    try:
-        text = Path(cfg).read_text(encoding="utf-8")
-    except OSError as err:
-        raise SpecError(f"cannot read DeepSpeed config {cfg}: {err.strerror}") from err
-    except UnicodeDecodeError as err:
-        raise SpecError(f"DeepSpeed config {cfg} is not UTF-8 text (bad byte at offset {err.start}); expected "
-                        "a JSON file") from err
+    text = read_capped(cfg, "DeepSpeed config", SpecError)
     try:
         value = json.loads(text)
     except json.JSONDecodeError as err:
         raise SpecError(f"DeepSpeed config {cfg} is not valid JSON: {err.msg} at line {err.lineno}, "
                         f"column {err.colno}") from err
+    except RecursionError:
+        raise SpecError(f"DeepSpeed config {cfg} nests objects and arrays more than {MAX_DEPTH} levels deep; no "
+                        "config needs that.") from None
+    if json_depth(value) > MAX_DEPTH:
+        raise SpecError(f"DeepSpeed config {cfg} nests objects and arrays more than {MAX_DEPTH} levels deep; no "
+                        "config needs that.")
     if not isinstance(value, dict):
         raise SpecError(f"DeepSpeed config {cfg} must be a JSON object; got {type(value).__name__}")
     return value
+
+
+def json_depth(value: Any) -> int:
+    """How deep objects and arrays nest in a JSON value (0 for a scalar), found without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is None:
+            continue
+        deepest = max(deepest, depth)
+        stack.extend((child, depth + 1) for child in children)
+    return deepest

@@ -501,7 +501,8 @@ def _support_problems(spec: JobSpec) -> list[tuple[str, str]]:
 def _file_problems(spec: JobSpec) -> list[tuple[str, str]]:
     problems = []
     if spec.hostfile is not None and not os.path.isfile(spec.hostfile):
-        what = "is a directory, not a file" if os.path.isdir(spec.hostfile) else "no such file"
+        what = ("is a directory, not a file" if os.path.isdir(spec.hostfile) else
+                "is not a regular file (a pipe, socket or device)" if os.path.exists(spec.hostfile) else "no such file")
         problems.append(("hostfile", f"{what}: {spec.hostfile}"))
     if not os.path.isdir(spec.workdir):
         problems.append(("workdir", f"no such directory: {spec.workdir}"))
