@@ -26,6 +26,7 @@ Lifecycle, written once here for every provisioner:
 
 from __future__ import annotations
 
+import errno
 import os
 import queue
 import shutil
@@ -137,8 +138,17 @@ class Agent:
         job, _, attempt = self.attempt_id.rpartition(".")
         collector = NodeCollector(job, int(attempt), self.node["host"], self._rank_codes, self.metrics,
                                   self.progress, restarts=int(attempt) - 1)
+        addr = self.node.get("metrics_addr") or "0.0.0.0"
         try:
-            self._exporter, self.metrics_port, why = serve(int(port), collector)
+            try:
+                self._exporter, self.metrics_port, why = serve(int(port), collector, addr)
+            except OSError as err:
+                if err.errno != errno.EADDRNOTAVAIL:
+                    raise
+                self._exporter, self.metrics_port, why = serve(int(port), collector, "0.0.0.0")
+                self.writer.send({"type": "warning", "message": f"{addr}, the address the controller reaches "
+                                  f"{self.node['host']} at, is not one of that node's own (NAT?): its metrics exporter "
+                                  "listens on every interface instead; set the spec's metrics_addr"})
         except OSError as err:  # metrics must not stop training: say so and go on
             self.writer.send({"type": "warning", "message": f"the metrics exporter on {self.node['host']} cannot "
                               f"listen ({err.strerror or err}); this node exports no metrics"})

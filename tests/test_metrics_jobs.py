@@ -52,6 +52,12 @@ def test_taken_metrics_port_and_a_script_that_never_reports(orch, write_spec, ho
                       for g in json.loads(path.read_text())}
             # node 0's port was taken: another one, and a warning saying which; node 1 has port + 1
             assert groups["node-0"] != port and groups["node-1"] == port + 1, groups
+            # each exporter listens where the controller reaches its node (local: loopback), not everywhere
+            import psutil
+            bound = {c.laddr.port: c.laddr.ip for c in psutil.net_connections(kind="tcp")
+                     if c.status == psutil.CONN_LISTEN and c.laddr.port in groups.values()}
+            assert bound == {p: "127.0.0.1" for p in groups.values()}, bound
+            assert all(g["targets"][0].startswith("127.0.0.1:") for g in json.loads(path.read_text()))
             warnings = [e.data["message"] for e in orch.events(job_id) if e.kind == "warning"]
             assert warnings == [f"metrics port {port} on node-0 cannot be used (Address already in use); the node's "
                                 f"metrics are on port {groups['node-0']} instead"], warnings

@@ -209,3 +209,14 @@ def test_orch_plan_says_who_fills_the_deepspeed_configs_autos(tmp_path, orch, wr
     plain = orch.json("plan", str(write_spec(entrypoint="hf_trainer.py", deepspeed_config="plain.json")))
     assert plain["deepspeed_autos"] is None
     assert make_plan(_spec(tmp_path), _pool(("n0", 1)), _inputs()).to_dict()["deepspeed_autos"] is None
+
+
+def test_each_exporter_listens_where_the_controller_reaches_its_node(tmp_path) -> None:
+    addrs = {"n0": "10.0.0.1", "n1": "10.0.0.2"}
+    plan = make_plan(_spec(tmp_path), _pool(("n0", 1), ("n1", 1)), _inputs(node_addresses=addrs))
+    assert [n.metrics_addr for n in plan.nodes] == ["10.0.0.1", "10.0.0.2"]
+    assert plan.nodes[1].to_dict()["metrics_addr"] == "10.0.0.2"
+    every = make_plan(_spec(tmp_path, metrics_addr="0.0.0.0"), _pool(("n0", 1)), _inputs(node_addresses=addrs))
+    assert every.nodes[0].metrics_addr == "0.0.0.0"
+    with pytest.raises(SpecError, match="metrics_addr.*not an IP address"):
+        _spec(tmp_path, metrics_addr="every")

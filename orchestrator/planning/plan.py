@@ -76,6 +76,8 @@ class PlanInputs:
         accelerator: the nodes' DeepSpeed accelerator name (``DS_ACCELERATOR``, else cuda/cpu).
         deepspeed_dir: the installed ``deepspeed`` package's directory ("" if none), for the path
             of DeepSpeed's ``launcher_helper.py`` in MPICH's real command.
+        node_addresses: host -> the address the controller reaches it at (the provisioner's), where each
+            node's metrics exporter listens unless the spec's ``metrics_addr`` names one.
     """
 
     job_id: str
@@ -103,6 +105,7 @@ class PlanInputs:
     hostfile_is_pool: bool = False
     accelerator: str = "cuda"
     deepspeed_dir: str = ""
+    node_addresses: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def attempt_id(self) -> str:
@@ -155,6 +158,8 @@ class NodePlan:
             them (``launcher.env_defaults``), applied by the agent before ``env``.
         metrics_port: port of the agent's Prometheus exporter on its host; 0: any free
             port; None: no exporter.
+        metrics_addr: the address the exporter listens on (the one the controller reaches the node
+            at, or the spec's ``metrics_addr``; ``0.0.0.0``: every interface).
         metrics_dir: node-local directory of the attempt's metrics files, or None.
         deepspeed_monitor_dir: where DeepSpeed's CSV monitor writes rank 0's files (on the
             node of global rank 0, when orch manages the DeepSpeed config), or None.
@@ -188,6 +193,7 @@ class NodePlan:
     path_prepend: str | None = None
     checkpoint_watch: Mapping[str, Any] | None = None
     native: Mapping[str, Any] | None = None
+    metrics_addr: str = "0.0.0.0"
 
     def to_dict(self) -> dict:
         """JSON-able form (what the agent receives in its ``start`` message)."""
@@ -198,7 +204,7 @@ class NodePlan:
                 "metrics_dir": self.metrics_dir, "deepspeed_monitor_dir": self.deepspeed_monitor_dir,
                 "master": dict(self.master) if self.master else None, "path_prepend": self.path_prepend,
                 "checkpoint_watch": dict(self.checkpoint_watch) if self.checkpoint_watch else None,
-                "native": dict(self.native) if self.native else None}
+                "native": dict(self.native) if self.native else None, "metrics_addr": self.metrics_addr}
 
 
 @dataclass(frozen=True)
@@ -463,7 +469,9 @@ def make_plan(spec: JobSpec, pool: ResourcePool, inputs: PlanInputs) -> JobPlan:
                               {"addr": store[0], "port": store[1]} if store else None, defaults,
                               _metrics_port(spec, pool, node_rank), metrics_dir,
                               monitor_dir if any(r.global_rank == 0 for r in ranks) else None, master,
-                              path_prepend, watch, _native(spec, launcher, shown, node_rank, log_dir)))
+                              path_prepend, watch, _native(spec, launcher, shown, node_rank, log_dir),
+                              spec.metrics_addr if spec.metrics_addr != "auto" else
+                              inputs.node_addresses.get(host, "0.0.0.0")))
     return JobPlan(
         job_id=inputs.job_id, job_name=spec.name, attempt=inputs.attempt, launcher=launcher.name,
         provisioner=spec.provisioner, master_addr=ctx.master_addr, master_port=ctx.master_port,

@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from ..errors import OrchError, SpecError
 from ..launchers import get_launcher
 from .accelerate import AccelerateSettings, read_for_spec
+from .slurm import SlurmOptions
 from .files import line_of, read_deepspeed_config, read_yaml
 from .resume import ResumeOptions
 
@@ -80,55 +81,6 @@ class RayOptions(BaseModel):
                          "cluster `ray start` made here (or $RAY_ADDRESS); host:port: that cluster's GCS; "
                          "ray://host:port: through Ray Client.")
     connect_timeout: float = Field(30.0, gt=0, le=600, description="Seconds to reach the cluster.")
-
-
-class SlurmOptions(BaseModel):
-    """How the ``slurm`` provisioner starts the agents inside the job's allocation, and how it asks for one
-    from a login node (the spec's ``slurm``; see docs/launchers.md)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    srun_args: list[str] = Field(default_factory=list, description="More arguments of every agent's srun step "
-                                 "(e.g. [--mpi=none]); orch sets --nodes, --ntasks, --nodelist, --overlap itself.")
-    sbatch_args: list[str] = Field(default_factory=list, description="From a login node: more arguments of the "
-                                   "sbatch that asks for each attempt's allocation (a string is split as a shell "
-                                   "would), e.g. '--partition=gpu --time=4:00:00 --gpus-per-node=8'; orch sets "
-                                   "--nodes, --ntasks-per-node, --job-name (and --nodelist from a hostfile, --exclude "
-                                   "for lost nodes) itself; --output defaults to the attempt's run directory.")
-    queue_timeout: float = Field(86400.0, gt=0, le=30 * 86400, description="From a login node: seconds an attempt "
-                                 "waits for Slurm to grant its allocation (PENDING) before it fails and the request "
-                                 "is cancelled.")
-
-    @field_validator("sbatch_args", mode="before")
-    @classmethod
-    def _split(cls, v: Any) -> Any:
-        return shlex.split(v) if isinstance(v, str) else v
-
-    @field_validator("sbatch_args")
-    @classmethod
-    def _not_set_by_orch(cls, v: list[str]) -> list[str]:
-        for arg in v:
-            flag = arg.split("=", 1)[0]
-            if not flag.startswith("--") and len(flag) > 2:  # -N4: a short option with its value attached
-                flag = flag[:2]
-            why = _SBATCH_REFUSED.get(flag)
-            if why:
-                raise ValueError(f"{arg!r}: {why}")
-        return v
-
-
-_NODES = "orch sets it (nodes from num_nodes or the hostfile, ranks per node from num_gpus or the hostfile's slots)"
-#: sbatch options ``slurm.sbatch_args`` may not carry, and why (the options sbatch documents, ``sbatch --help``)
-_SBATCH_REFUSED = {
-    **dict.fromkeys(("-N", "--nodes", "-n", "--ntasks", "--ntasks-per-node", "-w", "--nodelist"), _NODES),
-    **dict.fromkeys(("-x", "--exclude"), "list the hosts to leave out in the spec's exclude_hosts (orch adds the "
-                                          "nodes a restart loses to them)"),
-    **dict.fromkeys(("-J", "--job-name"), "orch names the job orch-<job id>-<attempt> (squeue shows it)"),
-    "--parsable": "orch sets it (it reads the job id)",
-    **dict.fromkeys(("--wrap", "-W", "--wait"), "orch gives sbatch its own script, which holds the allocation"),
-    **dict.fromkeys(("-a", "--array"), "one attempt is one allocation: a job array would be several"),
-    **dict.fromkeys(("--test-only",), "it would submit nothing: the attempt would wait for nodes never asked for"),
-}
 
 
 class PreflightOptions(BaseModel):
@@ -254,6 +206,9 @@ class JobSpec(BaseModel):
     resume: ResumeOptions = Field(default_factory=ResumeOptions, description="Where the checkpoints are, their "
                                   "format, and how a resumed script is told which one to load.")
     metrics_port: Annotated[int, Field(ge=1, le=65535)] | Literal["auto"] | None = "auto"
+    metrics_addr: str = Field("auto", description="The address every node's metrics exporter listens on: auto, "
+                              "the one the controller reaches the node at (127.0.0.1 for local agents); an IP "
+                              "address; 0.0.0.0 (or ::) for every interface.")
     stop_grace_seconds: float = Field(10.0, gt=0, le=3600)
     hang_timeout: float | None = Field(None, gt=0, le=86400, description="Seconds without a new step on a "
                                        "rank (reported, or a step= log line), counted from the attempt's first "
@@ -307,6 +262,18 @@ class JobSpec(BaseModel):
             problem = env_pattern_problem(pattern)
             if problem:
                 raise ValueError(problem)
+        return v
+
+    @field_validator("metrics_addr")
+    @classmethod
+    def _metrics_addr(cls, v: str) -> str:
+        import ipaddress
+        if v != "auto":
+            try:
+                ipaddress.ip_address(v)
+            except ValueError:
+                raise ValueError(f"{v!r} is not an IP address; expected auto, an address of the nodes (e.g. "
+                                 "10.0.0.5), or 0.0.0.0 for every interface") from None
         return v
 
     @field_validator("launcher_args", mode="before")

@@ -287,10 +287,12 @@ class AttemptRun(AttemptMessages):
         for node in self.plan.nodes:
             port = self.metrics_ports.get(node.node_rank)
             if port:
-                try:
-                    addr = self.provisioner.master_addr(node.host)
-                except OrchError:
-                    addr = node.host
+                addr = node.metrics_addr
+                if addr in ("0.0.0.0", "::"):  # every interface: the one the controller reaches the node at
+                    try:
+                        addr = self.provisioner.master_addr(node.host)
+                    except OrchError:
+                        addr = node.host
                 nodes.append((node.host, addr, int(port)))
         if not nodes:
             return

@@ -175,7 +175,9 @@ def prepare_plan(spec: JobSpec, state_dir: str | Path, job_id: str, *, attempt: 
             accelerate_env_defaults=job_ds.env_defaults(),
             config_warnings=tuple(job_ds.warnings) + provisioner.plan_notes(),
             resume_args=tuple(resume_args), resume_env=dict(resume_env or {}),
-            checkpoint_watch=checkpoint_watch(spec, state_dir, job_id), resume_dir=resume_dir_of(spec, state_dir, job_id))
+            checkpoint_watch=checkpoint_watch(spec, state_dir, job_id), resume_dir=resume_dir_of(spec, state_dir, job_id),
+            node_addresses={} if spec.metrics_addr != "auto" or spec.metrics_port is None else
+            {host: provisioner.master_addr(host) for host in dict.fromkeys(pool.hosts)})
         inputs = dataclasses.replace(inputs, accelerate_env=job_ds.env(inputs.deepspeed_config_path))
         plan = dataclasses.replace(make_plan(spec, pool, inputs), deepspeed_autos=job_ds.autos)
         return plan, lease
