@@ -312,3 +312,26 @@ def test_an_accelerate_script_fills_only_what_accelerate_fills(project: Path) ->
 def test_every_example_spec_loads(path: Path) -> None:
     spec = load_spec(path)
     assert spec.name and spec.entrypoint
+
+
+def test_secret_looking_values_are_masked_by_name_and_by_value() -> None:
+    import dataclasses
+
+    from orchestrator.spec.secrets import MASK, is_secret_name, redact
+
+    assert all(is_secret_name(n) for n in ("HF_TOKEN", "WANDB_API_KEY", "AWS_SECRET_ACCESS_KEY", "DB_PASSWORD",
+                                           "GOOGLE_APPLICATION_CREDENTIALS"))
+    assert not any(is_secret_name(n) for n in ("PATH", "MASTER_ADDR", "key_file", "hf_token"))
+    assert is_secret_name("MY_DB_PASS", ["MY_DB_*"])
+
+    @dataclasses.dataclass(frozen=True)
+    class Cmd:
+        argv: tuple
+        env: dict
+
+    shown = redact({"env": {"HF_TOKEN": "hf_0123456789", "X": "1", "PIN_KEY": "42"},
+                    "cmds": [Cmd(("mpirun", "-x", "HF_TOKEN=hf_0123456789"), {"HF_TOKEN": "hf_0123456789"})],
+                    "args": ["--x", "42"]})
+    assert shown["env"] == {"HF_TOKEN": MASK, "X": "1", "PIN_KEY": MASK}
+    assert shown["cmds"][0] == Cmd(("mpirun", "-x", f"HF_TOKEN={MASK}"), {"HF_TOKEN": MASK})
+    assert shown["args"] == ["--x", "42"]  # a short value is masked under its name only, not searched for

@@ -39,6 +39,7 @@ from .. import __version__
 from ..errors import NotFoundError, OrchError, StateError
 from ..observe import job_detail, job_summary, read_log
 from ..spec import spec_from_dict
+from ..spec.secrets import redact, secret_values
 from ..supervision import Controller
 from .auth import AUDIT_FILE, TokenAuth
 
@@ -119,20 +120,28 @@ def _job_routes(controller: Controller) -> APIRouter:
     def resume_preview(job_id: str, exclude: str = "") -> dict[str, Any]:
         return controller.resume_preview(job_id, exclude_hosts=[h for h in exclude.split(",") if h])
 
+    def hidden(job: Any, shown: Any) -> Any:
+        """``shown`` with the job's secret-looking values masked (its spec's and its plan's)."""
+        patterns = (job.spec or {}).get("secret_env") or ()
+        values = secret_values(job.spec, patterns)
+        if job.attempt:
+            values |= secret_values(store.get_attempt(job.id, job.attempt).plan, patterns)
+        return redact(shown, patterns, values)
+
     @api.get("/{job_id}/events")
     def events(job_id: str, since: int = 0) -> list[dict[str, Any]]:
         job = store.get_job(job_id)
-        return [e.to_dict() for e in store.events(job.id, since)]
+        return hidden(job, [e.to_dict() for e in store.events(job.id, since)])
 
     @api.get("/{job_id}/plan")
     def plan(job_id: str, attempt: int | None = None) -> dict[str, Any]:
         job = store.get_job(job_id)
-        return store.get_attempt(job.id, attempt or job.attempt).plan
+        return hidden(job, store.get_attempt(job.id, attempt or job.attempt).plan)
 
     @api.get("/{job_id}/logs")
     def logs(job_id: str, rank: int = 0, attempt: int | None = None, offset: int = 0,
              limit: int = 1 << 20) -> dict[str, Any]:
-        return read_log(store, job_id, rank, attempt, offset, limit)
+        return hidden(store.get_job(job_id), read_log(store, job_id, rank, attempt, offset, limit))
 
     @api.get("/{job_id}/progress")
     def progress(job_id: str, attempt: int | None = None, since: int = 0, limit: int = 20_000) -> dict[str, Any]:

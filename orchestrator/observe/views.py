@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import NotFoundError
+from ..spec.secrets import redact
 from ..store import AttemptRecord, JobRecord, Store
 from .checkpoints import checkpoints_view
 from .hints import next_steps
@@ -189,7 +190,7 @@ def job_detail(store: Store, job_id: str) -> dict[str, Any]:
         d["node_states"] = []
     d["allocation"] = allocation_view(store, job.id)
     d["next_steps"] = next_steps(d)
-    return d
+    return redact(d, (job.spec or {}).get("secret_env") or ())  # secret-looking values: **** (docs/security.md)
 
 
 def allocation_view(store: Store, job_id: str) -> dict[str, Any] | None:

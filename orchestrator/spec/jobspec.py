@@ -222,6 +222,9 @@ class JobSpec(BaseModel):
     exclude_hosts: list[str] = Field(default_factory=list, description="Hosts never to use (e.g. lost "
                                      "nodes, added by `orch resume --exclude`); removed from the hostfile "
                                      "before the filters and num_nodes/num_gpus apply.")
+    secret_env: list[str] = Field(default_factory=list, description="More names or shell patterns of variables "
+                                  "whose values orch masks (****) wherever it shows or logs them, besides the names "
+                                  "that look secret (*TOKEN*, *KEY*, *SECRET*, *PASSWORD*, *CREDENTIAL*).")
     env_passthrough: list[str] = Field(default_factory=list, description="Names or shell patterns "
                                        "(WANDB_*) of variables the `orch` command copies from the shell it runs "
                                        "in into env when it submits the job; env's own values win.")

@@ -331,12 +331,13 @@ class Store(CheckpointLedger):
                        (_dump(cause), now, job_id, number))
             self._event(db, job_id, number, "cause_revised", {"was": _load(row["cause"]), "cause": cause}, now)
 
-    def update_spec(self, job_id: str, spec: dict) -> None:
-        """Replace the job's spec (e.g. hosts excluded on resume); the old one stays in the events."""
+    def update_spec(self, job_id: str, spec: dict, shown: dict | None = None) -> None:
+        """Replace the job's spec (e.g. hosts excluded on resume); the ``spec_updated`` event records
+        ``shown`` (the spec with its secrets masked), else the spec."""
         now = self.clock()
         with self._tx() as db:
             db.execute("UPDATE jobs SET spec = ?, updated_at = ? WHERE id = ?", (_dump(spec), now, job_id))
-            self._event(db, job_id, None, "spec_updated", {"spec": spec}, now)
+            self._event(db, job_id, None, "spec_updated", {"spec": spec if shown is None else shown}, now)
 
     def set_owner(self, job_id: str, owner: dict | None) -> None:
         """Record which controller runs the job (None: nobody)."""

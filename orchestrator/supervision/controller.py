@@ -30,6 +30,7 @@ from ..observe import ControllerMetrics, TargetsWriter, default_targets_dir
 from ..planning import JobPlan
 from ..provisioners import Provisioner, get_provisioner
 from ..spec import JobSpec, spec_from_dict
+from ..spec.secrets import redact
 from ..store import JobRecord, JobState, Store, make_private
 from .attempt import AttemptRun, AttemptServices
 from .orphans import owner_alive, recover_orphans, waits_for_nodes
@@ -280,7 +281,7 @@ class Controller:
         if note:
             self.store.add_event(job.id, job.attempt + 1, "warning", {"message": note})
         if exclude_hosts:
-            self.store.update_spec(job.id, spec.to_dict())
+            self.store.update_spec(job.id, spec.to_dict(), shown=redact(spec.to_dict(), spec.secret_env))
         self.store.set_owner(job.id, self.owner)
 
     def _start_point(self, job: JobRecord, spec: JobSpec, automatic: bool) -> Choice:
