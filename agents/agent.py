@@ -206,6 +206,7 @@ class Agent:
     def _rank_env(self, r: dict, choice: network.Choice) -> dict[str, str]:
         """The rank's environment (raises ValueError: its slots are not among the node's assigned devices)."""
         env = rank_env(self.base_env, self.node, r)
+        env.update(read_env_files(self.node.get("env_from_file") or {}, self.node["workdir"], self.node["host"]))
         physical = devices.mapped(r["env"], self.base_env, self.node["host"])
         if physical is not None:
             env[devices.VAR] = physical
@@ -526,6 +527,26 @@ class _BeforeStart:
             if self._thread is not None:
                 self._thread.join(5.0)
             self.preflight.cleanup()
+
+
+def read_env_files(files: dict[str, str], workdir: str, host: str) -> dict[str, str]:
+    """The spec's ``env_from_file`` read here: each file's text, less one trailing newline (``~`` and paths
+    relative to ``workdir`` taken on this node).
+
+    Raises:
+        ValueError: a file cannot be read (naming the variable, the path and why; never its content).
+    """
+    out = {}
+    for name, path in files.items():
+        full = os.path.join(workdir, os.path.expanduser(path))
+        try:
+            with open(full, encoding="utf-8") as f:
+                value = f.read(1 << 20)
+        except (OSError, UnicodeDecodeError) as err:
+            why = getattr(err, "strerror", None) or ("not UTF-8 text" if isinstance(err, UnicodeDecodeError) else err)
+            raise ValueError(f"env_from_file {name}: cannot read {full} on {host} ({why})") from None
+        out[name] = value[:-1] if value.endswith("\n") else value
+    return out
 
 
 def rank_env(base_env: dict[str, str], node: dict, rank: dict) -> dict[str, str]:

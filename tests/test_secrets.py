@@ -77,3 +77,33 @@ def test_secret_values_reach_the_ranks_and_nothing_else(orch, write_spec, hostfi
                 assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
     assert holding  # the store and the plan keep them (a resume needs them), 0600
     print(f"\n[secrets] values kept only in {sorted(p.name for p in holding)} (0600); masked in {len(shown)} outputs")
+
+
+def test_env_from_file_is_read_on_the_node_and_never_stored(orch, write_spec, hostfile, tmp_path) -> None:
+    value = "wandb-" + secrets.token_hex(16)
+    key_file = tmp_path / "wandb.key"
+    key_file.write_text(value + "\n")
+    key_file.chmod(0o600)
+    script = tmp_path / "tok.py"
+    script.write_text(SCRIPT.replace('("HF_TOKEN", "MY_DB_PASS")', '("WANDB_API_KEY",)'))
+    out = tmp_path / "out"
+    out.mkdir()
+    spec = write_spec(name="fromfile", hostfile=str(hostfile("a slots=1\nb slots=1\n")), entrypoint=str(script),
+                      env={"OUT_DIR": str(out)}, env_from_file={"WANDB_API_KEY": str(key_file)})
+    plan = orch("plan", str(spec))
+    assert plan.returncode == 0 and f"WANDB_API_KEY from {key_file}" in plan.stdout, plan.stdout + plan.stderr
+    r = orch("run", str(spec), "-o", "json")
+    assert r.returncode == 0, r.stderr[-2000:]
+    want = hashlib.sha256(value.encode()).hexdigest()
+    assert [(out / f"rank{n}").read_text() for n in (0, 1)] == [want, want]
+    for top, _, files in os.walk(orch.state_dir):  # not even the 0600 store holds it
+        for name in files:
+            assert value.encode() not in (Path(top) / name).read_bytes(), Path(top) / name
+    assert value not in plan.stdout + r.stdout + r.stderr
+    # a file the node cannot read: the attempt fails naming the variable and the path, not a traceback
+    bad = write_spec(name="nofile", hostfile=str(hostfile("a slots=1\n")), entrypoint=str(script),
+                     env={"OUT_DIR": str(out)}, env_from_file={"WANDB_API_KEY": str(tmp_path / "missing.key")})
+    r = orch("run", str(bad), "-o", "json")
+    cause = json.loads(r.stdout)["cause"]
+    assert r.returncode == 1 and cause["kind"] == "spawn_failed", cause
+    assert f"env_from_file WANDB_API_KEY: cannot read {tmp_path / 'missing.key'}" in cause["message"], cause

@@ -160,6 +160,8 @@ class NodePlan:
             port; None: no exporter.
         metrics_addr: the address the exporter listens on (the one the controller reaches the node
             at, or the spec's ``metrics_addr``; ``0.0.0.0``: every interface).
+        env_from_file: variable -> file the agent reads it from when the ranks start (the spec's
+            ``env_from_file``; the value is never in the plan).
         metrics_dir: node-local directory of the attempt's metrics files, or None.
         deepspeed_monitor_dir: where DeepSpeed's CSV monitor writes rank 0's files (on the
             node of global rank 0, when orch manages the DeepSpeed config), or None.
@@ -194,6 +196,7 @@ class NodePlan:
     checkpoint_watch: Mapping[str, Any] | None = None
     native: Mapping[str, Any] | None = None
     metrics_addr: str = "0.0.0.0"
+    env_from_file: Mapping[str, str] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         """JSON-able form (what the agent receives in its ``start`` message)."""
@@ -204,7 +207,8 @@ class NodePlan:
                 "metrics_dir": self.metrics_dir, "deepspeed_monitor_dir": self.deepspeed_monitor_dir,
                 "master": dict(self.master) if self.master else None, "path_prepend": self.path_prepend,
                 "checkpoint_watch": dict(self.checkpoint_watch) if self.checkpoint_watch else None,
-                "native": dict(self.native) if self.native else None, "metrics_addr": self.metrics_addr}
+                "native": dict(self.native) if self.native else None, "metrics_addr": self.metrics_addr,
+                "env_from_file": dict(self.env_from_file)}
 
 
 @dataclass(frozen=True)
@@ -471,7 +475,7 @@ def make_plan(spec: JobSpec, pool: ResourcePool, inputs: PlanInputs) -> JobPlan:
                               monitor_dir if any(r.global_rank == 0 for r in ranks) else None, master,
                               path_prepend, watch, _native(spec, launcher, shown, node_rank, log_dir),
                               spec.metrics_addr if spec.metrics_addr != "auto" else
-                              inputs.node_addresses.get(host, "0.0.0.0")))
+                              inputs.node_addresses.get(host, "0.0.0.0"), dict(spec.env_from_file)))
     return JobPlan(
         job_id=inputs.job_id, job_name=spec.name, attempt=inputs.attempt, launcher=launcher.name,
         provisioner=spec.provisioner, master_addr=ctx.master_addr, master_port=ctx.master_port,

@@ -179,6 +179,9 @@ class JobSpec(BaseModel):
     master_addr: str | None = None
     master_port: int | Literal["auto"] = "auto"
     env: dict[str, str] = Field(default_factory=dict)
+    env_from_file: dict[str, str] = Field(default_factory=dict, description="Variables read from a file on each "
+                                          "node when its ranks start (NAME: path; ~ and paths relative to workdir "
+                                          "taken there), for secrets: orch stores and shows only the path.")
     workdir: str = "."
     python: str | None = None
     entrypoint: str
@@ -243,6 +246,17 @@ class JobSpec(BaseModel):
     def _port(cls, v: int | str) -> int | str:
         if isinstance(v, int) and not 1 <= v <= 65535:
             raise ValueError(f"expected a TCP port 1..65535 or 'auto'; got {v}")
+        return v
+
+    @field_validator("env_from_file")
+    @classmethod
+    def _env_from_file(cls, v: dict[str, str]) -> dict[str, str]:
+        for key, path in v.items():
+            if not _ENV_KEY_RE.match(key):
+                raise ValueError(f"variable name {key!r} is not a valid environment variable name (letters, "
+                                 "digits and '_', not starting with a digit)")
+            if not path.strip():
+                raise ValueError(f"{key}: expected the path of the file holding its value")
         return v
 
     @field_validator("env", mode="before")
@@ -318,6 +332,9 @@ class JobSpec(BaseModel):
         if self.accelerate.given() and self.accelerate_config is None:
             problems.append(("accelerate", "sets accelerate launch's flags, which need accelerate_config (the "
                                            "Accelerate config file they override); add accelerate_config"))
+        both = sorted(set(self.env) & set(self.env_from_file))
+        if both:
+            problems.append(("env_from_file", f"{', '.join(both)} also in env: give each variable one source"))
         return problems
 
     def to_dict(self) -> dict:

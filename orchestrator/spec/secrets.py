@@ -31,11 +31,15 @@ def is_secret_name(name: str, patterns: Iterable[str] = ()) -> bool:
     return any(fnmatch.fnmatchcase(name, p) for p in patterns)
 
 
+#: mappings of a variable to where its value is, not to the value: never masked
+_PATHS_NOT_VALUES = frozenset({"env_from_file"})
+
+
 def _children(obj: Any) -> Iterable[Any]:
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return [getattr(obj, f.name) for f in dataclasses.fields(obj)]
+        return [getattr(obj, f.name) for f in dataclasses.fields(obj) if f.name not in _PATHS_NOT_VALUES]
     if isinstance(obj, Mapping):
-        return list(obj.values())
+        return [v for k, v in obj.items() if k not in _PATHS_NOT_VALUES]
     if isinstance(obj, (list, tuple, set, frozenset)):
         return list(obj)
     return []
@@ -72,9 +76,10 @@ def redact(obj: Any, patterns: Iterable[str] = (), values: Iterable[str] = ()) -
             return text(item)
         if dataclasses.is_dataclass(item) and not isinstance(item, type):
             return dataclasses.replace(item, **{f.name: walk(getattr(item, f.name)) for f in dataclasses.fields(item)
-                                                if f.init})
+                                                if f.init and f.name not in _PATHS_NOT_VALUES})
         if isinstance(item, Mapping):
-            return {k: (MASK if isinstance(k, str) and isinstance(v, str) and v and is_secret_name(k, patterns)
+            return {k: (v if k in _PATHS_NOT_VALUES else
+                        MASK if isinstance(k, str) and isinstance(v, str) and v and is_secret_name(k, patterns)
                         else walk(v)) for k, v in item.items()}
         if isinstance(item, (list, tuple)):
             return type(item)(walk(v) for v in item) if not hasattr(item, "_fields") else type(item)(*map(walk, item))

@@ -51,6 +51,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     c.print(Text("Environment of every rank (over its node's own):", style="bold"))
     for k in sorted(common):
         c.print(f"  {k}={shlex.quote(common[k])}", markup=False, highlight=False, soft_wrap=True)
+    from_files = plan.nodes[0].env_from_file if plan.nodes else {}
+    if from_files:
+        c.print("  read on each node when its ranks start (env_from_file; never stored): "
+                + ", ".join(f"{k} from {v}" for k, v in sorted(from_files.items())), markup=False, highlight=False,
+                soft_wrap=True)
     ranks = Table(title="Ranks", box=None, title_justify="left", pad_edge=False)
     for col in ("rank", "node", "local rank", "slot", "rank's own environment", "command line"):
         ranks.add_column(col, overflow="fold")
