@@ -732,4 +732,10 @@ def resume_universal(engine, ckpt_dir, tag, sampler, global_rank, world_size, dp
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # once the group is destroyed, gloo's worker threads can still abort the interpreter's teardown
+    # ("terminate called without an active exception", SIGABRT; a CI run saw it): everything is written,
+    # so leave without that teardown, as ds_plain_train.py does
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(int(code or 0))

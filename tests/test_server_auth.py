@@ -137,6 +137,10 @@ def test_a_foreign_host_header_is_refused(orch) -> None:
         good = {"Authorization": f"Bearer {orch.token()}"}
         evil = httpx.get(f"{url}/api/jobs", headers={**good, "Host": "evil.example"})
         assert evil.status_code == 400
+        posted = httpx.post(f"{url}/api/jobs/x/cancel", headers={"Host": "evil.example"})
+        assert posted.status_code == 401  # refused, and audited
+        audit = [json.loads(line) for line in (orch.state_dir / "audit.log").read_text().splitlines()]
+        assert audit[-1]["path"] == "/api/jobs/x/cancel" and audit[-1]["status"] == 401
         alias = httpx.get(f"{url}/api/jobs", headers={**good, "Host": "orch.example.org"})
         assert alias.status_code == 200
         assert httpx.get(f"{url}/api/jobs", headers=good).status_code == 200  # 127.0.0.1 itself
@@ -155,6 +159,10 @@ def test_off_loopback_needs_tls_or_an_explicit_insecure_http(orch, tmp_path) -> 
     assert "Traceback" not in r.stderr and not (orch.state_dir / "server.json").exists()
     r = orch("server", "--tls-cert", str(tmp_path / "nope.pem"), timeout=30)
     assert r.returncode == 2 and "go together" in r.stderr
+    r = orch("server", "--tls-cert", "/etc/hostname", "--tls-key", "/etc/shadow", "--port", str(_free_port()),
+             timeout=30)
+    assert r.returncode == 2 and "Cannot serve TLS" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert "dashboard:" not in r.stderr and "root:" not in r.stderr
     port = _free_port()
     proc = orch.popen("server", "--host", "0.0.0.0", "--port", str(port), "--insecure-http")
     try:
@@ -209,6 +217,15 @@ def test_the_token_file_keeps_its_mode_and_the_cli_takes_another(orch, tmp_path)
         assert r.returncode == 0, r.stderr
         r = orch("--server", url, "--token-file", str(tmp_path / "missing"), "list", env=env)
         assert r.returncode == 2 and "Cannot read the token file" in r.stderr
+        with open("/etc/shadow") as f:
+            shadow = f.read()
+        for extra, env2 in ((["--token-file", "/etc/shadow"], env), (["--token-file", "/dev/zero"], env),
+                            ([], {**env, "ORCH_TOKEN": "line one\nline two"})):
+            r = orch("--server", url, *extra, "list", env=env2, timeout=30)
+            assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+            assert shadow.split(":")[0] + ":" not in r.stderr and "line two" not in r.stderr, r.stderr
+        r = orch("--server", url, "list", env=env)  # no token anywhere
+        assert r.returncode == 2 and "needs its token, and none was found" in r.stderr, r.stderr
 
 
 def test_the_dashboard_logs_in_through_the_printed_url(orch, browser) -> None:

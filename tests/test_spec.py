@@ -335,3 +335,5 @@ def test_secret_looking_values_are_masked_by_name_and_by_value() -> None:
     assert shown["env"] == {"HF_TOKEN": MASK, "X": "1", "PIN_KEY": MASK}
     assert shown["cmds"][0] == Cmd(("mpirun", "-x", f"HF_TOKEN={MASK}"), {"HF_TOKEN": MASK})
     assert shown["args"] == ["--x", "42"]  # a short value is masked under its name only, not searched for
+    short = redact({"env": {"MY_X": "ab"}, "cmd": "export MY_X=ab; mpirun -x MY_X=ab -x MY_XY=ab"}, ["MY_X"])
+    assert short["cmd"] == f"export MY_X={MASK}; mpirun -x MY_X={MASK} -x MY_XY=ab"

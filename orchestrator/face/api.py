@@ -63,8 +63,9 @@ def create_app(controller: Controller, token: str, allowed_hosts: list[str], sec
     app.include_router(_job_routes(controller))
     app.include_router(_service_routes(controller))
     app.mount("/static", StaticFiles(directory=WEB_DIR), name="static")
+    app.add_middleware(TrustedHostMiddleware, allowed_hosts=allowed_hosts)
     app.add_middleware(TokenAuth, token=token, audit_path=controller.state_dir / AUDIT_FILE, secure=secure)
-    app.add_middleware(TrustedHostMiddleware, allowed_hosts=allowed_hosts)  # outermost: before the token
+    # TokenAuth outermost: every state-changing request is audited, a foreign Host's too (then 400 or 401)
     return app
 
 

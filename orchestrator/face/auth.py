@@ -16,7 +16,7 @@ and an audit log of every request that changes state (docs/security.md).
   sends its own name and is refused (400).
 * **The audit log** ``<state dir>/audit.log`` (0600, one JSON object per line) records every request
   that is not GET/HEAD/OPTIONS, refused ones included: time, client address, the local user behind a
-  loopback client as the kernel's socket table says (``/proc/net/tcp``), method, path, job, status.
+  client on this machine as the kernel's socket table says (``/proc/net/tcp``), method, path, job, status.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import json
 import os
 import re
 import secrets
+import stat
 import time
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Mapping
@@ -77,17 +78,47 @@ def ensure_token(state_dir: Path) -> str:
     return token
 
 
+_TOKEN_CHARS = re.compile(r"[A-Za-z0-9._~+/=-]{8,512}")
+
+
+def _token_text(path: Path) -> str:
+    """A token file's text: a small regular file (never a pipe or device), UTF-8.
+
+    Raises:
+        OSError: it cannot be read, or is not such a file (the message names it, never its content).
+    """
+    st = os.stat(path)
+    if not stat.S_ISREG(st.st_mode) or st.st_size > 4096:
+        raise OSError(f"{path} is not a token file (a small regular file holding one line)")
+    try:
+        return path.read_text(encoding="utf-8").strip()
+    except UnicodeDecodeError:
+        raise OSError(f"{path} is not UTF-8 text, so not a token file") from None
+
+
 def read_token(state_dir: Path, token_file: str | None = None, env: Mapping[str, str] = os.environ) -> str | None:
     """The token a client sends: ``token_file``'s, else ``$ORCH_TOKEN``, else the state directory's
-    ``server.token``; None if there is none (or it cannot be read: the server then answers 401)."""
+    ``server.token``; None if there is none (or it cannot be read: the server then answers 401).
+
+    Raises:
+        OSError: ``token_file`` cannot be read; ValueError: the token found is not one (a token is 8-512
+            URL-safe characters, one line; the message never quotes it).
+    """
     if token_file:
-        return Path(token_file).expanduser().read_text().strip() or None
-    if env.get("ORCH_TOKEN"):
-        return env["ORCH_TOKEN"].strip()
-    try:
-        return (Path(state_dir) / TOKEN_FILE).read_text().strip() or None
-    except OSError:
+        token = _token_text(Path(token_file).expanduser())
+        where = f"token file {token_file}"
+    elif env.get("ORCH_TOKEN"):
+        token, where = env["ORCH_TOKEN"].strip(), "$ORCH_TOKEN"
+    else:
+        try:
+            token, where = _token_text(Path(state_dir) / TOKEN_FILE), f"{Path(state_dir) / TOKEN_FILE}"
+        except OSError:
+            return None
+    if not token:
         return None
+    if not _TOKEN_CHARS.fullmatch(token):
+        raise ValueError(f"{where} does not hold a token (one line of 8-512 URL-safe characters; not shown)")
+    return token
 
 
 def login_url(base_url: str, token: str) -> str:
@@ -188,11 +219,12 @@ class TokenAuth:
 
 
 def _local_user(scope: Scope) -> str | None:
-    """The local user owning the client's socket, for a loopback client: the ``uid`` column of the
-    kernel's socket table (``/proc/net/tcp``, ``tcp6``) for the connection from the client's port to ours."""
+    """The local user owning the client's socket, for a client on this machine (any of its addresses): the
+    ``uid`` column of the kernel's socket table (``/proc/net/tcp``, ``tcp6``) for the connection from the
+    client's port to ours."""
     client, server = scope.get("client"), scope.get("server")
-    if not client or not server or client[0] not in ("127.0.0.1", "::1"):
-        return None
+    if not client or not server:
+        return None  # (a remote client's socket is not in this machine's table: no row matches it)
     import pwd
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:

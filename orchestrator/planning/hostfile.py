@@ -94,6 +94,12 @@ def looks_like_hostfile_text(line: str) -> bool:
 
 def _bad_line(path: str, line_no: int, line: str) -> HostfileError:
     """The error for a line that is not ``<host> slots=<n>``: quoting it only if it reads as hostfile text."""
+    if len(line.split()) == 1 and not line.startswith("slots=") and looks_like_hostfile_text(line):
+        # one word: a host name without its slots, or a key or token file given as the hostfile: not quoted
+        return HostfileError(
+            f"Line {line_no} of hostfile {path} has one field ({len(line)} characters, not shown) and no 'slots=<n>' "
+            f"field after it; expected '{HOSTFILE_FORM}' (e.g. '{_EXAMPLE_LINE}').", path=path, line_no=line_no,
+            line=line)
     if not looks_like_hostfile_text(line):  # another file given as the hostfile: never quoted
         return HostfileError(
             f"Line {line_no} of hostfile {path} is not of the form '{HOSTFILE_FORM}' (e.g. '{_EXAMPLE_LINE}') "

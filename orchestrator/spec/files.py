@@ -145,6 +145,9 @@ def read_yaml(p: Path, what: str, error: type[SpecError] = SpecError) -> tuple[A
         tree = yaml.compose(text, Loader=_UniqueKeyLoader)
         _check_yaml_size(tree, str(p), what, error)
         data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+    except ValueError as err:  # an integer of more digits than Python converts (sys.get_int_max_str_digits)
+        raise error(f"{what[0].upper() + what[1:]} {p} has a number too long to read ({str(err).split(';')[0]}); "
+                    "no setting needs one.", path=str(p)) from None
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -194,6 +197,9 @@ def read_deepspeed_config(cfg: str | Mapping[str, Any] | None) -> dict:
     except RecursionError:
         raise SpecError(f"DeepSpeed config {cfg} nests objects and arrays more than {MAX_DEPTH} levels deep; no "
                         "config needs that.") from None
+    except ValueError as err:  # an integer of more digits than Python converts
+        raise SpecError(f"DeepSpeed config {cfg} has a number too long to read ({str(err).split(';')[0]}); no "
+                        "setting needs one.") from None
     if json_depth(value) > MAX_DEPTH:
         raise SpecError(f"DeepSpeed config {cfg} nests objects and arrays more than {MAX_DEPTH} levels deep; no "
                         "config needs that.")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import re
+import shlex
 from typing import Any, Iterable, Mapping
 
 __all__ = ["MASK", "is_secret_name", "secret_values", "redact"]
@@ -45,18 +46,22 @@ def _children(obj: Any) -> Iterable[Any]:
     return []
 
 
-def secret_values(obj: Any, patterns: Iterable[str] = ()) -> set[str]:
-    """The values of every secret variable in ``obj``'s mappings (dataclasses, dicts, lists, nested)."""
-    patterns = tuple(patterns)
-    found: set[str] = set()
+def _secret_pairs(obj: Any, patterns: tuple[str, ...]) -> set[tuple[str, str]]:
+    """``(name, value)`` of every secret variable in ``obj``'s mappings (dataclasses, dicts, lists, nested)."""
+    found: set[tuple[str, str]] = set()
     stack = [obj]
     while stack:
         item = stack.pop()
         if isinstance(item, Mapping):
-            found.update(v for k, v in item.items() if isinstance(k, str) and isinstance(v, str) and v
-                         and is_secret_name(k, patterns))
+            found.update((k, v) for k, v in item.items() if isinstance(k, str) and isinstance(v, str) and v
+                         and k not in _PATHS_NOT_VALUES and is_secret_name(k, patterns))
         stack.extend(_children(item))
     return found
+
+
+def secret_values(obj: Any, patterns: Iterable[str] = ()) -> set[str]:
+    """The values of every secret variable in ``obj``'s mappings (dataclasses, dicts, lists, nested)."""
+    return {v for _, v in _secret_pairs(obj, tuple(patterns))}
 
 
 def redact(obj: Any, patterns: Iterable[str] = (), values: Iterable[str] = ()) -> Any:
@@ -64,11 +69,17 @@ def redact(obj: Any, patterns: Iterable[str] = (), values: Iterable[str] = ()) -
     its strings. Dataclasses are copied with :func:`dataclasses.replace`, mappings become dicts, lists and
     tuples keep their type; ``obj`` itself is not changed."""
     patterns = tuple(patterns)
-    hidden = sorted({v for v in (*secret_values(obj, patterns), *values) if len(v) >= _MIN_SEARCHED},
-                    key=len, reverse=True)
+    pairs = _secret_pairs(obj, patterns)
+    hidden = sorted({v for v in (*(v for _, v in pairs), *values) if len(v) >= _MIN_SEARCHED}, key=len, reverse=True)
+    # NAME=value (as a shell or -x would write it), whatever the value's length
+    named = [rf"(?<![A-Za-z0-9_]){re.escape(k)}=(?:{re.escape(shlex.quote(v))}|{re.escape(v)})(?![^\s;'\"])"
+             for k, v in sorted(pairs, key=lambda kv: -len(kv[1]))]
+    by_name = re.compile("|".join(named)) if named else None
     search = re.compile("|".join(re.escape(v) for v in hidden)) if hidden else None
 
     def text(s: str) -> str:
+        if by_name is not None:
+            s = by_name.sub(lambda m: m.group(0).split("=", 1)[0] + "=" + MASK, s)
         return search.sub(MASK, s) if search is not None else s
 
     def walk(item: Any) -> Any:

@@ -74,6 +74,7 @@ class HttpBackend:
         import httpx
         self.url = url.rstrip("/")
         headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.has_token = bool(token)
         self.http = httpx.Client(base_url=self.url, timeout=60.0, headers=headers)
 
     def _call(self, method: str, path: str, **kw: Any) -> Any:
@@ -81,7 +82,10 @@ class HttpBackend:
         try:
             r = self.http.request(method, path, **kw)
         except httpx.HTTPError as err:
-            raise UsageError(f"Cannot reach the orch server at {self.url}: {err}.") from err
+            raise UsageError(f"Cannot reach the orch server at {self.url}: {str(err).rstrip('.')}.") from err
+        if r.status_code == 401 and not self.has_token:
+            raise UsageError(f"The orch server at {self.url} needs its token, and none was found: give the state "
+                             "dir it runs with (--state-dir), --token-file FILE, or $ORCH_TOKEN.")
         if r.status_code == 401:
             raise UsageError(f"The orch server at {self.url} refused the token: give the one in its state dir's "
                              "server.token (--state-dir, --token-file FILE or $ORCH_TOKEN).")
@@ -153,6 +157,8 @@ def http_backend(args: argparse.Namespace, url: str) -> HttpBackend:
         token = read_token(state_dir_of(args), getattr(args, "token_file", None))
     except OSError as err:
         raise UsageError(f"Cannot read the token file {args.token_file}: {err.strerror or err}.") from None
+    except ValueError as err:
+        raise UsageError(f"{err}.") from None
     return HttpBackend(url, token)
 
 

@@ -82,6 +82,13 @@ def _check_binding(args: argparse.Namespace) -> str:
         if path and not os.path.isfile(path):
             raise UsageError(f"TLS file {path} does not exist.")
     if args.tls_cert:
+        import ssl
+        try:
+            ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(args.tls_cert, args.tls_key)
+        except (ssl.SSLError, OSError) as err:
+            raise UsageError(f"Cannot serve TLS with --tls-cert {args.tls_cert} and --tls-key {args.tls_key}: "
+                             f"{getattr(err, 'reason', None) or err.strerror or 'not a PEM certificate and its key'}; "
+                             "expected PEM files of a certificate (chain) and its private key.") from None
         return "https"
     if not _is_loopback(args.host):
         if not args.insecure_http:
