@@ -186,8 +186,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
         return _resume_preview(args, url)
     if url:
         detail = http_backend(args, url).resume(args.job, args.exclude, args.fresh)
-        attempts = detail.get("attempts") or []
-        if detail.get("state") == "PENDING" and (not attempts or attempts[-1].get("ended_at")):  # nodes to come
+        if _waits_for_nodes(detail):
             emit_detail(detail, args, f"Resumed job {detail['id']}: its next attempt waits for the nodes it asked "
                                        f"Slurm for (orch status {detail['id']})")
             return 0
@@ -234,15 +233,15 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     """Ask for the cancel, then say what happens: cancelling (and how to wait), cancelled, or nothing to
     cancel. With ``--wait S``: exit 0 once every process is gone, 1 if it is still stopping after S s."""
     backend = pick_backend(args)
-    ended = _stopped(backend.detail(args.job))
+    before = backend.detail(args.job)
+    ended, queued = _stopped(before), _waits_for_nodes(before)
     detail = backend.cancel(args.job)
     job = detail["id"]
     if ended:
         emit_detail(detail, args, f"Job {job} had already ended ({detail['state']}); nothing is running (an "
                                   "automatic restart it was waiting for, if any, is called off)")
         return 0
-    attempts = detail.get("attempts") or []
-    if not args.wait and (not attempts or attempts[-1].get("ended_at")):  # it only waited for nodes (Slurm)
+    if not args.wait and queued:
         emit_detail(detail, args, f"Cancelling job {job} ({detail['state']}): no rank had started; the request for "
                                   f"its nodes is cancelled (scancel). Watch it with: orch status {job}")
         return 0
@@ -267,6 +266,13 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 
 
 _TERMINAL = ("SUCCEEDED", "FAILED", "CANCELLED")
+
+
+def _waits_for_nodes(detail: dict) -> bool:
+    """The job is PENDING with its next attempt still waiting for a scheduler's nodes: no attempt yet, or
+    only ended ones (``orchestrator.supervision.orphans.waits_for_nodes``, on a job's detail)."""
+    attempts = detail.get("attempts") or []
+    return detail.get("state") == "PENDING" and (not attempts or bool(attempts[-1].get("ended_at")))
 
 
 def _stopped(detail: dict) -> bool:
