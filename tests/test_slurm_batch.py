@@ -4,7 +4,10 @@ The real thing, on the Slurm test cluster: tests/test_slurm_login.py."""
 
 from __future__ import annotations
 
+import os
+import subprocess
 import threading
+import time
 
 import pytest
 from conftest import wait_for
@@ -12,7 +15,7 @@ from conftest import wait_for
 from orchestrator.errors import ProvisionError, SpecError
 from orchestrator.provisioners import LocalProvisioner
 from orchestrator.provisioners.slurm import SlurmProvisioner
-from orchestrator.provisioners.slurm_batch import _gpus_per_node, batch_argv
+from orchestrator.provisioners.slurm_batch import _gpus_per_node, batch_argv, hold_script
 from orchestrator.spec import spec_from_dict
 from orchestrator.store import JobState
 from orchestrator.supervision import Controller
@@ -28,6 +31,22 @@ def test_batch_argv_asks_for_the_pool() -> None:
     mine = batch_argv("x", 1, 1, "/r/o", sbatch_args=["-o", "/shared/%j.log"])
     assert not any(a.startswith("--output") for a in mine) and mine[-2:] == ["-o", "/shared/%j.log"]
     assert not any(a.startswith(("--nodelist", "--exclude")) for a in batch_argv("x", 2, 1, "/r/o"))
+
+
+def test_the_batch_script_holds_while_agents_run_and_not_on_a_failed_squeue(tmp_path) -> None:
+    """The hold script run by sh with squeue replaced by a script (the scheduler seam): two failed calls, two
+    that list an agent step, then none. Failures are not idleness; agent steps reset the count."""
+    calls = tmp_path / "calls"
+    (tmp_path / "squeue").write_text(f"""#!/bin/sh
+n=$(($(cat {calls} 2>/dev/null || echo 0) + 1)); echo $n > {calls}
+case $n in 1|2) exit 1;; 3|4) echo orch-agent-j-1-n1; echo hold;; *) echo hold;; esac
+""")
+    (tmp_path / "squeue").chmod(0o755)
+    t0 = time.monotonic()
+    subprocess.run(["sh", "-c", hold_script(2)], env={**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}",
+                                                      "SLURM_JOB_ID": "7"}, timeout=60, check=True)
+    assert calls.read_text().strip() == "5", "two blind calls, two with an agent step, one idle period of 2 s"
+    assert time.monotonic() - t0 >= 9
 
 
 @pytest.mark.parametrize("args,gpus", [(["--gpus-per-node=8"], 8), (["--gpus-per-node", "a100:4"], 4),

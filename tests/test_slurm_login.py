@@ -192,15 +192,18 @@ def test_a_node_set_down_restarts_in_a_new_allocation_without_it(slurm_cluster, 
 def test_a_controller_that_dies_leaves_no_allocation(slurm_cluster, orch, write_spec, tmp_path) -> None:
     """``orch run`` SIGKILLed mid-training: its agents' srun steps lose their link and stop the ranks, and the
     batch script, with no agent step left, ends the allocation by itself (``ORCH_SLURM_IDLE_S``: 6 s here)."""
-    spec = _spec(write_spec, tmp_path, steps=400, name="login-killed")
+    spec = _spec(write_spec, tmp_path, steps=100_000, name="login-killed")
     proc = subprocess.Popen(orch.cmd("run", str(spec)), env={**_login_env(slurm_cluster, orch), "ORCH_SLURM_IDLE_S": "6"},
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         job_id = wait_for(lambda: (orch.json("list") or [{}])[0].get("id"), 60, "the job")
         wait_for(lambda: orch.json("status", job_id)["state"] == "RUNNING", 120, "RUNNING", interval=0.3)
         name = f"orch-{job_id}-1"
-        time.sleep(10)  # longer than the idle time: the agents' steps keep the allocation
-        assert _squeue(slurm_cluster)[name][1] == "RUNNING" and orch.json("status", job_id)["state"] == "RUNNING"
+        end = time.monotonic() + 10  # longer than the idle time: the agents' steps keep the allocation
+        while time.monotonic() < end:
+            held, state = _squeue(slurm_cluster).get(name, ("", "gone"))[1], orch.json("status", job_id)["state"]
+            assert (held, state) == ("RUNNING", "RUNNING"), (held, state, orch.events(job_id))
+            time.sleep(1)
         proc.kill()
         proc.wait(10)
         t0 = time.monotonic()

@@ -42,10 +42,17 @@ def hold_script(idle_s: int = IDLE_S) -> str:
     return f"""#!/bin/sh
 # orch: holds this allocation for the steps of its agents (srun --jobid=$SLURM_JOB_ID --overlap);
 # it ends once none of them has run for {idle_s} s.
+# A squeue that fails (slurmctld busy) is no evidence either way: only {10 * idle_s} s of those end it.
 idle=0
-while [ "$idle" -lt {idle_s} ]; do
+blind=0
+while [ "$idle" -lt {idle_s} ] && [ "$blind" -lt {10 * idle_s} ]; do
   sleep 2
-  if squeue -h -s -j "$SLURM_JOB_ID" -o %j 2>/dev/null | grep -q '^orch-agent-'; then idle=0; else idle=$((idle + 2)); fi
+  if steps=$(squeue -h -s -j "$SLURM_JOB_ID" -o %j 2>/dev/null); then
+    blind=0
+    if printf '%s\n' "$steps" | grep -q '^orch-agent-'; then idle=0; else idle=$((idle + 2)); fi
+  else
+    blind=$((blind + 2))
+  fi
 done
 """
 
