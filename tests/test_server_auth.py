@@ -146,6 +146,38 @@ def test_a_foreign_host_header_is_refused(orch) -> None:
         assert httpx.get(f"{url}/api/jobs", headers=good).status_code == 200  # 127.0.0.1 itself
 
 
+def test_request_bodies_are_capped_and_submits_audited_with_their_job(orch, write_spec, hostfile) -> None:
+    """A body over 8 MiB is 413 whether it gives its length or is chunked, a spec nested past the cap is a
+    400 naming it, a body that is not JSON is the API's own error shape; a submit's audit entry names the
+    job it made."""
+    with running_server(orch) as (proc, url):
+        client, good = orch.http(), {"Authorization": f"Bearer {orch.token()}", "Content-Type": "application/json"}
+        big = b'{"spec": "' + b"a" * (9 << 20) + b'"}'
+        sized = client.post(f"{url}/api/jobs", content=big)
+        assert sized.status_code == 413 and "larger than 8 MiB" in sized.json()["error"], sized.text
+
+        def chunks():
+            for i in range(0, len(big), 1 << 16):
+                yield big[i:i + (1 << 16)]
+        chunked = httpx.post(f"{url}/api/jobs", content=chunks(), headers=good, timeout=30)
+        assert chunked.status_code == 413 and chunked.json()["kind"] == "RequestTooLarge"
+        deep = client.post(f"{url}/api/jobs", content=b'{"spec": {"name": "x", "env": ' + b'{"a": ' * 100 + b'1'
+                           + b'}' * 102, headers={"Content-Type": "application/json"})
+        assert deep.status_code == 400 and "nests deeper than 64 levels" in deep.json()["error"], deep.text
+        junk = client.post(f"{url}/api/jobs", content=b"\x00\xff junk", headers={"Content-Type": "application/json"})
+        assert junk.status_code == 400 and set(junk.json()) == {"error", "kind"}, junk.text
+        assert proc.poll() is None and client.get(f"{url}/api/health").status_code == 200
+        spec = write_spec(name="audited", hostfile=str(hostfile("a slots=1\n")), entrypoint="/bin/true",
+                          no_python=True)
+        job = orch.json("submit", str(spec))["id"]
+        orch("cancel", job, "--wait", "30")
+    entries = [json.loads(line) for line in (orch.state_dir / "audit.log").read_text().splitlines()]
+    submits = [e for e in entries if e["action"] == "submit" and e["status"] == 200]
+    assert [e["job"] for e in submits] == [job], entries
+    assert [e["job"] for e in entries if e["action"] == "cancel"] == [job]
+    assert [e["status"] for e in entries if e["action"] == "submit"] == [413, 413, 400, 400, 200]
+
+
 def _free_port() -> int:
     import socket
     with socket.socket() as s:

@@ -4,7 +4,7 @@ Every route but ``/login`` and ``/metrics`` needs the server's token (``Authoriz
 dashboard's cookie, and every request a Host header this server answers to (:mod:`.auth`).
 
 Routes (JSON in and out; errors are ``{"error": message, "kind": ErrorClass}`` with 400,
-404 for an unknown job, 409 for an illegal state change):
+404 for an unknown job, 409 for an illegal state change, 413 for a body over 8 MiB (:mod:`.limits`)):
 
 * ``GET  /api/health``                       liveness and the state directory
 * ``GET  /api/jobs``                         every job, newest first
@@ -32,6 +32,7 @@ from typing import Any
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
+from starlette.exceptions import HTTPException
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -39,9 +40,11 @@ from .. import __version__
 from ..errors import NotFoundError, OrchError, StateError
 from ..observe import job_detail, job_summary, read_log
 from ..spec import spec_from_dict
+from ..spec.files import MAX_DEPTH, json_depth
 from ..spec.secrets import redact, secret_values
 from ..supervision import Controller
 from .auth import AUDIT_FILE, TokenAuth
+from .limits import BodyLimit
 
 __all__ = ["WEB_DIR", "create_app"]
 
@@ -60,9 +63,11 @@ def create_app(controller: Controller, token: str, allowed_hosts: list[str], sec
     app = FastAPI(title="orch", version=__version__)
     app.add_exception_handler(OrchError, _orch_error)
     app.add_exception_handler(ValueError, _value_error)
+    app.add_exception_handler(HTTPException, _http_error)
     app.include_router(_job_routes(controller))
     app.include_router(_service_routes(controller))
     app.mount("/static", StaticFiles(directory=WEB_DIR), name="static")
+    app.add_middleware(BodyLimit)  # innermost: a refused Host or token costs no body read
     app.add_middleware(TrustedHostMiddleware, allowed_hosts=allowed_hosts)
     app.add_middleware(TokenAuth, token=token, audit_path=controller.state_dir / AUDIT_FILE, secure=secure)
     # TokenAuth outermost: every state-changing request is audited, a foreign Host's too (then 400 or 401)
@@ -72,6 +77,12 @@ def create_app(controller: Controller, token: str, allowed_hosts: list[str], sec
 async def _orch_error(_request: Request, err: OrchError) -> JSONResponse:
     status = 404 if isinstance(err, NotFoundError) else 409 if isinstance(err, StateError) else 400
     return JSONResponse({"error": str(err), "kind": type(err).__name__}, status_code=status)
+
+
+async def _http_error(_request: Request, err: HTTPException) -> JSONResponse:
+    # the framework's own refusals (a body that is not JSON, an unknown route) in the API's error shape
+    return JSONResponse({"error": str(err.detail), "kind": "HTTPError"}, status_code=err.status_code,
+                        headers=getattr(err, "headers", None))
 
 
 async def _value_error(_request: Request, err: ValueError) -> JSONResponse:
@@ -93,6 +104,8 @@ def _job_routes(controller: Controller) -> APIRouter:
 
     @api.post("")
     def submit(body: dict[str, Any]) -> dict[str, Any]:
+        if json_depth(body) > MAX_DEPTH + 1:  # (+1: the body's own {"spec": ...})
+            raise ValueError(f"the submitted spec nests deeper than {MAX_DEPTH} levels, the most orch reads")
         spec = spec_from_dict(body.get("spec"), source=str(body.get("source", "<submitted spec>")))
         job = controller.submit(spec)
         return job_detail(store, job.id)

@@ -16,7 +16,8 @@ and an audit log of every request that changes state (docs/security.md).
   sends its own name and is refused (400).
 * **The audit log** ``<state dir>/audit.log`` (0600, one JSON object per line) records every request
   that is not GET/HEAD/OPTIONS, refused ones included: time, client address, the local user behind a
-  client on this machine as the kernel's socket table says (``/proc/net/tcp``), method, path, job, status.
+  client on this machine as the kernel's socket table says (``/proc/net/tcp``), method, path, action
+  (``submit``, ``cancel``, ``resume``, ...), job (for a submit: the new job's id), status.
 """
 
 from __future__ import annotations
@@ -178,11 +179,14 @@ class TokenAuth:
             return
         audited = scope["method"] not in ("GET", "HEAD", "OPTIONS")
         user = _local_user(scope) if audited else None  # now: the client may be gone once answered
-        status: dict[str, int] = {}
+        status: dict[str, Any] = {}
+        submitted = audited and scope["path"] == "/api/jobs"  # the new job's id is in the answer
 
         async def send_noting(message: dict[str, Any]) -> None:
             if message["type"] == "http.response.start":
                 status["code"] = message["status"]
+            elif submitted and message["type"] == "http.response.body" and status.get("code") == 200:
+                status["body"] = status.get("body", b"") + message.get("body", b"")
             await send(message)
 
         try:
@@ -194,7 +198,7 @@ class TokenAuth:
                 await _plain(send_noting, 401, b"unauthorized\n", [(b"www-authenticate", b"Bearer")])
         finally:
             if audited:
-                self._audit(scope, user, status.get("code", 500))
+                self._audit(scope, user, status.get("code", 500), _job_of(status.get("body")))
 
     async def _login(self, scope: Scope, send: Send) -> None:
         given = (parse_qs(scope.get("query_string", b"").decode("latin-1")).get("token") or [""])[0]
@@ -205,17 +209,27 @@ class TokenAuth:
         await _plain(send, 303, b"", [(b"location", b"/"), (b"set-cookie", cookie.encode()),
                                       (b"cache-control", b"no-store"), (b"referrer-policy", b"no-referrer")])
 
-    def _audit(self, scope: Scope, user: str | None, status: int) -> None:
+    def _audit(self, scope: Scope, user: str | None, status: int, job: str | None) -> None:
         client = scope.get("client") or ("", 0)
-        m = re.match(r"/api/jobs/([^/]+)", scope["path"])
+        m = re.match(r"/api/jobs(?:/([^/]+)(?:/([^/]+))?)?/?$", scope["path"])
+        action = None if not m else "submit" if not m.group(1) else m.group(2) or scope["method"].lower()
         entry = {"at": round(time.time(), 3), "client": f"{client[0]}:{client[1]}", "user": user,
-                 "method": scope["method"], "path": scope["path"], "job": m.group(1) if m else None,
-                 "status": status, "authorized": self.authorized(scope)}
+                 "method": scope["method"], "path": scope["path"], "action": action,
+                 "job": job or (m.group(1) if m else None), "status": status, "authorized": self.authorized(scope)}
         try:
             with open(self.audit_path, "a") as f:
                 f.write(json.dumps(entry) + "\n")
         except OSError:
             pass  # a full disk must not take the API down; the request itself was answered
+
+
+def _job_of(body: bytes | None) -> str | None:
+    """The job id in a submit's answer (``job_detail``: ``{"id": ...}``), if it is one."""
+    try:
+        job = json.loads(body or b"null")
+    except ValueError:
+        return None
+    return job.get("id") if isinstance(job, dict) and isinstance(job.get("id"), str) else None
 
 
 def _local_user(scope: Scope) -> str | None:
