@@ -37,7 +37,7 @@ import threading
 import time
 from typing import Any
 
-from . import devices, network
+from . import devices, network, stacks
 from .adopted import SHIM, AdoptedRank, log_tail, write_plans, wrong_tool
 from .nodeenv import node_env
 from .link import MessageReader, MessageWriter
@@ -332,7 +332,7 @@ class Agent:
                 last_heard = now
                 kind = msg.get("type")
                 if kind == "stop":
-                    return self._stop(msg.get("reason", "stop requested"))
+                    return self._stop(msg.get("reason", "stop requested"), kill=msg.get("kill") or ())
                 if kind == "eof":
                     return self._stop("controller went away (end of stream)", report=False)
                 if kind == "dump":
@@ -341,7 +341,7 @@ class Agent:
                 return self._stop_on_own(f"the agent received {signal.Signals(self._signalled).name}",
                                          taken=self._slurm_step and self._signalled == signal.SIGTERM)
             if now - last_heard > self.lease_s:
-                return self._stop_on_own(f"no word from the controller for {self.lease_s:.0f} s")
+                return self._stop_on_own(f"no word from the controller for {self.lease_s:.0f} s", lease=True)
             if self.native:
                 stopped = self._native_turn()
                 if stopped is not None:
@@ -375,44 +375,29 @@ class Agent:
                               "how": describe_returncode(code), "at": time.time()})
 
     def _dump_stacks(self) -> None:
-        """Write every running rank's Python stacks (all threads, ``py-spy dump``) next to its log,
-        ``rank-<global rank>.stacks.txt``, then tell the controller (``dumped``)."""
-        import shutil
-        import subprocess
-        py_spy = shutil.which("py-spy", path=os.path.dirname(sys.executable)) or shutil.which("py-spy")
-        files: dict[str, str] = {}
-        errors: dict[str, str] = {}
+        """Write every running rank's Python stacks next to its log and tell the controller what each
+        rank's main thread is doing (``dumped``; :mod:`agents.stacks`)."""
+        dumps = stacks.dump_all([p for p in self.ranks if p.global_rank not in self.exited], self.node["log_dir"])
+        self.writer.send({"type": "dumped", "files": {r: d["file"] for r, d in dumps.items() if "file" in d},
+                          "errors": {r: d["error"] for r, d in dumps.items() if "error" in d},
+                          "summaries": {r: {k: d.get(k) for k in ("where", "doing", "kind", "frames")}
+                                        for r, d in dumps.items() if "file" in d}})
 
-        def dump(proc: RankProcess) -> None:
-            path = os.path.join(self.node["log_dir"], f"rank-{proc.global_rank}.stacks.txt")
-            if py_spy is None:
-                errors[str(proc.global_rank)] = "py-spy is not installed on this node"
-                return
-            try:
-                r = subprocess.run([py_spy, "dump", "--pid", str(proc.pid)], capture_output=True, text=True,
-                                   timeout=20)
-                text = r.stdout + (f"\n(py-spy exited {r.returncode}: {r.stderr.strip()})" if r.returncode else "")
-            except (OSError, subprocess.TimeoutExpired) as err:
-                text = f"(py-spy failed: {err})"
-            with open(path, "w") as f:
-                f.write(f"stacks of rank {proc.global_rank} (pid {proc.pid}) at {time.strftime('%H:%M:%S')}\n")
-                f.write(text)
-            files[str(proc.global_rank)] = path
-        threads = [threading.Thread(target=dump, args=(p,)) for p in self.ranks if p.global_rank not in self.exited]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        self.writer.send({"type": "dumped", "files": files, "errors": errors})
-
-    def _stop_on_own(self, reason: str, taken: bool = False) -> int:
+    def _stop_on_own(self, reason: str, taken: bool = False, lease: bool = False) -> int:
         """Stop without being told to: say why first, so the controller records the cause. ``taken``:
         the scheduler is taking the node away (an srun step's SIGTERM: preemption, scancel, a node
         failure), which the controller counts as a node loss."""
-        self.writer.send({"type": "stopping", "reason": reason, **({"taken_by": "slurm"} if taken else {})})
+        self.writer.send({"type": "stopping", "reason": reason, **({"taken_by": "slurm"} if taken else {}),
+                          **({"lease_expired": True} if lease else {})})
         return self._stop(reason)
 
-    def _stop(self, reason: str, report: bool = True) -> int:
+    def _stop(self, reason: str, report: bool = True, kill: Any = ()) -> int:
+        """Stop every rank (``kill``: global ranks found hung, SIGKILLed at once: a hung rank does not
+        answer SIGTERM, and its stacks are already dumped); the rest get SIGTERM and the grace period."""
+        hung = {int(r) for r in kill if isinstance(r, int) or str(r).isdigit()}
+        for proc in self.ranks:
+            if proc.global_rank in hung:
+                proc.signal_group(signal.SIGKILL)
         stop_all([*self.ranks, *([self.launcher] if self.launcher else [])], self.grace)
         self._reap()
         if report:

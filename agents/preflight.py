@@ -18,6 +18,8 @@ answered by a ``preflight_result`` (see :mod:`agents.link`):
     * ``network``: an interface reaches the master address, and the one the ranks' collectives
       will use exists (the job's ``GLOO_SOCKET_IFNAME``/``NCCL_SOCKET_IFNAME``, else the one
       :mod:`agents.network` chooses); a loopback master of a job that spans hosts fails;
+    * ``build_locks``: (a DeepSpeed job) no stale torch extension build lock where the ranks build
+      ops (:mod:`agents.buildlocks`);
     * and, for the shared-storage check, the node writes a token file
       ``<checkpoint dir>/.orch-preflight-<attempt id>/node-<node rank>.json`` holding the
       attempt's nonce.
@@ -46,7 +48,7 @@ import threading
 import time
 from typing import Any, Callable, Mapping
 
-from . import network
+from . import buildlocks, network
 from .ranks import _die_with_parent
 
 __all__ = ["NodePreflight", "run_in_thread", "PASSED", "FAILED", "SKIPPED", "TOKEN_PREFIX"]
@@ -184,9 +186,14 @@ class NodePreflight:
             results.append(_result("master_port", SKIPPED, skip.get("master_port", "only node 0 hosts the "
                                                                          "rendezvous"), time.monotonic()))
         results.append(self._network((msg.get("node") or {}).get("master")))
+        if "build_locks" in skip:
+            results.append(_result("build_locks", SKIPPED, skip["build_locks"], time.monotonic()))
+        else:
+            results.append(self._build_locks())
         results += self._finish_probe(probe, probe_started, msg, skip, mode, workdir_ok,
                                       float(msg.get("timeout_s") or 60.0))
-        order = ("python", "deepspeed", "workdir", "entrypoint", "checkpoint_dir", "master_port", "network")
+        order = ("python", "deepspeed", "workdir", "entrypoint", "checkpoint_dir", "master_port", "network",
+                 "build_locks")
         return sorted(results, key=lambda r: order.index(r["name"]) if r["name"] in order else len(order))
 
     # -- file system checks --------------------------------------------------------------------
@@ -276,6 +283,19 @@ class NodePreflight:
             if isinstance(token, dict) and token.get("nonce") == nonce and token.get("node_rank") == node_rank:
                 seen.append(node_rank)
         return seen, problems
+
+    def _build_locks(self) -> dict[str, Any]:
+        """No stale torch extension build lock where the ranks build DeepSpeed's ops (:mod:`agents.buildlocks`)."""
+        t = time.monotonic()
+        self.current = "build_locks"
+        stale = buildlocks.stale_locks(self.env)
+        where = buildlocks.extensions_dir(self.env)
+        if not stale:
+            return _result("build_locks", PASSED, f"no stale build lock in {where}", t)
+        named = ", ".join(f"{path} ({age / 60:.0f} min old)" for path, age in stale[:3])
+        return _result("build_locks", FAILED, f"stale torch extension build lock(s): {named}, with no build running "
+                       "there: a killed build left them, and every rank that builds that op would wait on them "
+                       "forever; delete them", t)
 
     # -- the master port -----------------------------------------------------------------------
 

@@ -227,12 +227,14 @@ class RankProcess:
 
 
 def stop_all(ranks: Sequence[RankProcess], grace: float) -> None:
-    """Stop ``ranks`` together: SIGTERM to every group, wait ``grace`` seconds, SIGKILL the rest.
+    """Stop ``ranks`` together: SIGCONT and SIGTERM to every group, wait ``grace`` seconds, SIGKILL the rest.
 
-    The group is signalled even when the rank itself has already exited, so children
-    it left behind in its group are stopped too. Every process is reaped.
+    SIGCONT first: a stopped (SIGSTOPped) process would hold a SIGTERM pending and cost the whole grace
+    period. The group is signalled even when the rank itself has already exited, so children it left
+    behind in its group are stopped too. Every process is reaped.
     """
     for r in ranks:
+        r.signal_group(signal.SIGCONT)
         r.signal_group(signal.SIGTERM)
     deadline = time.monotonic() + grace
     for r in ranks:

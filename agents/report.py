@@ -81,7 +81,7 @@ def _metrics(names: list[str]) -> dict[str, Any]:
 
 
 def step(step: int, *, loss: float | None = None, samples: float | None = None, tokens: float | None = None,
-         lr: float | None = None, step_seconds: float | None = None) -> None:
+         lr: float | None = None, step_seconds: float | None = None, final: bool = False) -> None:
     """Report one optimizer step of this rank.
 
     Args:
@@ -91,9 +91,11 @@ def step(step: int, *, loss: float | None = None, samples: float | None = None, 
         tokens: tokens this rank processed in the step.
         lr: the learning rate used.
         step_seconds: the step's duration (default: time since the previous call).
+        final: this is the rank's last step: orch's hang watch stops watching the rank, so a long
+            exit (a final save, an upload at exit) is not taken for a hang.
     """
     try:
-        _report(int(step), loss, samples, tokens, lr, step_seconds)
+        _report(int(step), loss, samples, tokens, lr, step_seconds, final)
     except Exception as err:  # noqa: BLE001 - reporting must never stop training
         if not _state.get("warned"):
             _state["warned"] = True
@@ -102,7 +104,7 @@ def step(step: int, *, loss: float | None = None, samples: float | None = None, 
 
 
 def _report(step_no: int, loss: float | None, samples: float | None, tokens: float | None, lr: float | None,
-            step_seconds: float | None) -> None:
+            step_seconds: float | None, final: bool = False) -> None:
     ready = _init()
     if ready is None:
         return
@@ -134,7 +136,7 @@ def _report(step_no: int, loss: float | None, samples: float | None, tokens: flo
     if f is not None:
         point = {"step": step_no, "at": now, "loss": _num(loss), "lr": _num(lr), "samples": _num(samples),
                  "tokens": _num(tokens), "step_seconds": _num(step_seconds), "samples_per_second": _num(sps),
-                 "tokens_per_second": _num(tps)}
+                 "tokens_per_second": _num(tps), "final": True if final else None}
         f.write(json.dumps({k: v for k, v in point.items() if v is not None}) + "\n")
 
 

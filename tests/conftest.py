@@ -414,3 +414,10 @@ def slurm_cluster(mpi_net):
         yield cluster
     finally:
         cluster.close()
+
+
+@pytest.fixture()
+def server(orch):
+    """``orch server`` for the test's state dir: ``(process, url)`` (:func:`running_server`)."""
+    with running_server(orch) as served:
+        yield served

@@ -329,6 +329,8 @@ def test_plan_shows_ranks_env_and_real_command(orch, write_spec, hostfile) -> No
 
 
 def test_agents_stop_their_ranks_when_the_controller_falls_silent(orch, write_spec, hostfile, tmp_path) -> None:
+    """The controller SIGSTOPped past the agents' lease: they stop the ranks; once it runs again, the stall
+    is its own trouble, not the job's, so the job restarts although its spec has no restart policy."""
     proc, job = _long_job(orch, write_spec, hostfile, tmp_path, env={"ORCH_AGENT_LEASE_S": "3"})
     try:
         proc.send_signal(signal.SIGSTOP)  # the controller is alive but says nothing
@@ -337,9 +339,14 @@ def test_agents_stop_their_ranks_when_the_controller_falls_silent(orch, write_sp
                  20, "the ranks to be stopped by their agents")
         assert time.monotonic() - t0 < 3 + 2 + 2  # lease + grace + a little
         proc.send_signal(signal.SIGCONT)
+        detail = wait_for(lambda: (lambda d: d if d["attempt"] == 2 and d["state"] == "RUNNING" else None)(
+            orch.json("status", job["id"])), 60, "attempt 2 RUNNING")
+        cause = detail["attempts"][0]["cause"]
+        assert cause["kind"] == "controller_stalled" and "no word from the controller for 3 s" in cause["message"]
+        (scheduled,) = orch.events(job["id"], "restart_scheduled")
+        assert scheduled.data["controller_fault"] is True and scheduled.data["max_restarts"] == 0
+        assert orch("cancel", job["id"], "--wait", "30").returncode == 0
         assert proc.wait(30) == 1
-        cause = orch.json("status", job["id"])["cause"]
-        assert cause["kind"] == "agent_stopped" and "no word from the controller for 3 s" in cause["message"]
         assert_no_leftovers(job["id"])
     finally:
         if proc.poll() is None:

@@ -55,7 +55,8 @@ def test_both_at_once_say_both_and_no_resume() -> None:
 
 
 def test_other_failures_and_cancels_resume_from_the_last_checkpoint() -> None:
-    for kind in ("rank_exit", "no_progress", "agent_stopped", "controller_lost", "internal_error"):
+    for kind in ("rank_exit", "no_progress", "startup_timeout", "agent_stopped", "controller_stalled", "controller_lost",
+                 "internal_error"):
         (step,) = next_steps(_detail("FAILED", {"kind": kind}))
         assert step.startswith("resume from the last complete checkpoint: orch resume job-1"), kind
     (step,) = next_steps(_detail("CANCELLED", {"kind": "cancelled"}))

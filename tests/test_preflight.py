@@ -238,14 +238,15 @@ def test_nodes_still_checking_at_the_timeout_are_named_with_their_check(tmp_path
 def test_which_checks_apply(tmp_path) -> None:
     spec, plan = _plan(tmp_path, 2)
     assert skipped_checks(spec, plan) == {
-        "deepspeed": "the spec has no deepspeed_config, so the job is not known to use DeepSpeed"}
+        "deepspeed": "the spec has no deepspeed_config, so the job is not known to use DeepSpeed",
+        "build_locks": "the job is not known to build DeepSpeed's ops"}
     spec, plan = _plan(tmp_path, 2, deepspeed_config=DS_CONFIG)
     assert skipped_checks(spec, plan) == {}
     spec, plan = _plan(tmp_path, 1, deepspeed_config=DS_CONFIG)
     assert skipped_checks(spec, plan) == {"shared_checkpoint_dir": "one node: nothing to share with"}
     spec, plan = _plan(tmp_path, 2, no_python=True, entrypoint="true", deepspeed_config=DS_CONFIG,
                        preflight={"shared_checkpoint_dir": False})
-    assert set(skipped_checks(spec, plan)) == {"python", "deepspeed", "shared_checkpoint_dir"}
+    assert set(skipped_checks(spec, plan)) == {"python", "deepspeed", "build_locks", "shared_checkpoint_dir"}
 
 
 def test_preflight_spec_options(tmp_path) -> None:
@@ -324,6 +325,24 @@ def test_deepspeed_missing_for_the_spec_python(orch, write_spec, hostfile, tmp_p
     spec = write_spec(**_fields(hostfile(TWO_NODES), tmp_path, python=python, deepspeed_config=DS_CONFIG))
     why = [f"{python} does not find deepspeed: No module named 'deepspeed'"]
     _run_failing(orch, spec, {h: {"deepspeed": why} for h in ("node-0", "node-1")}, ["node-0", "node-1"])
+
+
+def test_a_stale_build_lock_is_named_and_a_fresh_one_is_not(orch, write_spec, hostfile, tmp_path) -> None:
+    """A lock a killed DeepSpeed op build left (older than 2 minutes, no build running in its directory) in
+    the ranks' TORCH_EXTENSIONS_DIR fails the preflight by its path; a lock of a build starting now does not."""
+    ext = tmp_path / "ext"
+    lock = ext / "py311_cpu" / "deepspeed_shm_comm" / "lock"
+    lock.parent.mkdir(parents=True)
+    lock.write_text("")
+    os.utime(lock, (time.time() - 600, time.time() - 600))
+    fields = _fields(hostfile(TWO_NODES), tmp_path, deepspeed_config=DS_CONFIG)
+    fields["env"]["TORCH_EXTENSIONS_DIR"] = str(ext)
+    why = [f"stale torch extension build lock(s): {lock} (10 min old)", "delete them"]
+    _run_failing(orch, write_spec(**fields), {h: {"build_locks": why} for h in ("node-0", "node-1")},
+                 ["node-0", "node-1"])
+    os.utime(lock, None)  # as young as a build that has just begun
+    r = orch("run", str(write_spec(**fields)), timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
 
 
 @pytest.mark.integration

@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from conftest import running_server, SCRIPTS, assert_no_leftovers, wait_for
+from conftest import SCRIPTS, assert_no_leftovers, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -25,12 +25,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-@pytest.fixture()
-def server(orch):
-    with running_server(orch) as served:
-        yield served
 
 
 def test_submit_follow_cancel_resume_through_the_server(orch, server, write_spec, hostfile, tmp_path) -> None:

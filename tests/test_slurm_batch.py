@@ -43,10 +43,14 @@ case $n in 1|2) exit 1;; 3|4) echo orch-agent-j-1-n1; echo hold;; *) echo hold;;
 """)
     (tmp_path / "squeue").chmod(0o755)
     t0 = time.monotonic()
-    subprocess.run(["sh", "-c", hold_script(2)], env={**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}",
-                                                      "SLURM_JOB_ID": "7"}, timeout=60, check=True)
+    said = subprocess.run(["sh", "-c", hold_script(2)], env={**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}",
+                                                             "SLURM_JOB_ID": "7"}, timeout=60, check=True,
+                          capture_output=True, text=True).stdout
     assert calls.read_text().strip() == "5", "two blind calls, two with an agent step, one idle period of 2 s"
     assert time.monotonic() - t0 >= 9
+    assert [line.split(" ", 2)[2] for line in said.splitlines()] == [
+        "squeue failed: ", "agent steps running", "no agent step: the allocation ends in 2 s unless one starts",
+        "ending the allocation"], said
 
 
 @pytest.mark.parametrize("args,gpus", [(["--gpus-per-node=8"], 8), (["--gpus-per-node", "a100:4"], 4),

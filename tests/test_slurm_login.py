@@ -207,8 +207,13 @@ def test_a_controller_that_dies_leaves_no_allocation(slurm_cluster, orch, write_
         proc.kill()
         proc.wait(10)
         t0 = time.monotonic()
-        wait_for(lambda: name not in _squeue(slurm_cluster) or _squeue(slurm_cluster)[name][1] == "COMPLETED", 60,
-                 "the allocation to end by itself")
+        try:
+            wait_for(lambda: name not in _squeue(slurm_cluster) or _squeue(slurm_cluster)[name][1] == "COMPLETED",
+                     60, "the allocation to end by itself")
+        except AssertionError:
+            steps = slurm_cluster.run(["squeue", "-h", "-s", "-o", "%i|%j|%T"]).stdout
+            said = "".join(p.read_text() for p in Path(orch.json("status", job_id)["run_dir"]).glob("slurm-*.out"))
+            raise AssertionError(f"the allocation is still held; steps:\n{steps}\nits batch script said:\n{said}")
         print(f"\n[slurm login] controller killed: allocation ended by itself after {time.monotonic() - t0:.1f} s")
         assert_no_leftovers(job_id, timeout=30)
     finally:

@@ -8,7 +8,8 @@ Routes (JSON in and out; errors are ``{"error": message, "kind": ErrorClass}`` w
 
 * ``GET  /api/health``                       liveness and the state directory
 * ``GET  /api/jobs``                         every job, newest first
-* ``POST /api/jobs``  ``{"spec": {...}}``     submit a job (spec paths absolute)
+* ``POST /api/jobs``  ``{"spec": {...}}``     submit a job (spec paths absolute); an ``Idempotency-Key`` header
+  already used returns that job and starts nothing (the CLI sends one per ``orch submit``)
 * ``GET  /api/jobs/{id}``                    a job with its attempts and ranks
 * ``POST /api/jobs/{id}/cancel``             cancel it
 * ``POST /api/jobs/{id}/resume`` ``{"exclude": [host, ...], "fresh": false}``  a new attempt from the last complete
@@ -89,6 +90,14 @@ async def _value_error(_request: Request, err: ValueError) -> JSONResponse:
     return JSONResponse({"error": str(err), "kind": "ValueError"}, status_code=400)
 
 
+def _idempotency_key(request: Request) -> str | None:
+    """A submit's ``Idempotency-Key`` header (1 to 200 printable characters), None without one."""
+    key = request.headers.get("idempotency-key") or None
+    if key is not None and not (0 < len(key) <= 200 and key.isprintable()):
+        raise ValueError("the Idempotency-Key header must be 1 to 200 printable characters")
+    return key
+
+
 def _job_routes(controller: Controller) -> APIRouter:
     """``/api/jobs`` and everything under it."""
     api = APIRouter(prefix="/api/jobs")
@@ -97,17 +106,18 @@ def _job_routes(controller: Controller) -> APIRouter:
     @api.get("")
     def list_jobs(limit: int = 100) -> list[dict[str, Any]]:
         out = []
-        for job in store.list_jobs(limit):
+        for job in store.list_jobs(max(1, min(limit, 1_000_000))):
             attempt = store.get_attempt(job.id, job.attempt) if job.attempt else None
             out.append(job_summary(job, attempt))
         return out
 
     @api.post("")
-    def submit(body: dict[str, Any]) -> dict[str, Any]:
+    def submit(body: dict[str, Any], request: Request) -> dict[str, Any]:
         if json_depth(body) > MAX_DEPTH + 1:  # (+1: the body's own {"spec": ...})
             raise ValueError(f"the submitted spec nests deeper than {MAX_DEPTH} levels, the most orch reads")
+        key = _idempotency_key(request)
         spec = spec_from_dict(body.get("spec"), source=str(body.get("source", "<submitted spec>")))
-        job = controller.submit(spec)
+        job = controller.submit(spec, key=key)
         return job_detail(store, job.id)
 
     @api.get("/{job_id}")

@@ -183,10 +183,16 @@ class TokenAuth:
         submitted = audited and scope["path"] == "/api/jobs"  # the new job's id is in the answer
 
         async def send_noting(message: dict[str, Any]) -> None:
+            # the entry is written before the client has the whole answer: whoever reads the log after a
+            # reply finds the request in it
             if message["type"] == "http.response.start":
                 status["code"] = message["status"]
+                if audited and not (submitted and status["code"] == 200):
+                    status["logged"] = self._audit(scope, user, status["code"], None)
             elif submitted and message["type"] == "http.response.body" and status.get("code") == 200:
                 status["body"] = status.get("body", b"") + message.get("body", b"")
+                if not message.get("more_body"):
+                    status["logged"] = self._audit(scope, user, 200, _job_of(status["body"]))
             await send(message)
 
         try:
@@ -197,7 +203,7 @@ class TokenAuth:
             else:
                 await _plain(send_noting, 401, b"unauthorized\n", [(b"www-authenticate", b"Bearer")])
         finally:
-            if audited:
+            if audited and not status.get("logged"):  # no answer went out (the app failed, the client left)
                 self._audit(scope, user, status.get("code", 500), _job_of(status.get("body")))
 
     async def _login(self, scope: Scope, send: Send) -> None:
@@ -209,7 +215,8 @@ class TokenAuth:
         await _plain(send, 303, b"", [(b"location", b"/"), (b"set-cookie", cookie.encode()),
                                       (b"cache-control", b"no-store"), (b"referrer-policy", b"no-referrer")])
 
-    def _audit(self, scope: Scope, user: str | None, status: int, job: str | None) -> None:
+    def _audit(self, scope: Scope, user: str | None, status: int, job: str | None) -> bool:
+        """Append one entry; True (also when the disk refused it: the request was answered all the same)."""
         client = scope.get("client") or ("", 0)
         m = re.match(r"/api/jobs(?:/([^/]+)(?:/([^/]+))?)?/?$", scope["path"])
         action = None if not m else "submit" if not m.group(1) else m.group(2) or scope["method"].lower()
@@ -221,6 +228,7 @@ class TokenAuth:
                 f.write(json.dumps(entry) + "\n")
         except OSError:
             pass  # a full disk must not take the API down; the request itself was answered
+        return True
 
 
 def _job_of(body: bytes | None) -> str | None:

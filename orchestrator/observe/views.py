@@ -203,16 +203,21 @@ def allocation_view(store: Store, job_id: str) -> dict[str, Any] | None:
     return last
 
 
+#: The most bytes of a log one read returns (a larger ``limit`` is cut to it).
+MAX_LOG_READ = 8 << 20
+
+
 def read_log(store: Store, job_id: str, rank: int, attempt: int | None = None, offset: int = 0,
              limit: int = 1 << 20) -> dict[str, Any]:
     """Read a rank's log from byte ``offset``: ``{"data", "offset", "eof", "path"}``.
 
-    ``offset`` -1 means "the last ``limit`` bytes". ``eof`` is true when the attempt has
-    stopped and everything was read (a follower can stop).
+    ``offset`` -1 means "the last ``limit`` bytes"; ``limit`` is at most :data:`MAX_LOG_READ` (8 MiB).
+    ``eof`` is true when the attempt has stopped and everything was read (a follower can stop).
 
     Raises:
         NotFoundError: no such job, attempt or rank.
     """
+    limit = max(1, min(int(limit), MAX_LOG_READ))  # (a huge limit would read a whole file into memory)
     job = store.get_job(job_id)
     rec = store.get_attempt(job.id, attempt or job.attempt)
     if not any(r["global_rank"] == rank for n in rec.plan["nodes"] for r in n["ranks"]):

@@ -69,7 +69,7 @@ __all__ = ["FILTER_FORM", "MAX_SLOTS_PER_HOST", "ResourcePool", "parse_filter", 
 #: The form of an ``include``/``exclude`` filter.
 FILTER_FORM = "NODE_SPEC[@NODE_SPEC...] with NODE_SPEC = NAME[:SLOT[,SLOT...]]"
 #: Most slots one host may have in a pool (DeepSpeed has no limit but materialises them).
-MAX_SLOTS_PER_HOST = 1 << 20
+MAX_SLOTS_PER_HOST = 4096
 
 
 def _index_range(slots: int) -> str:

@@ -38,22 +38,29 @@ _POLL_S = 1.0
 IDLE_S = 120
 
 def hold_script(idle_s: int = IDLE_S) -> str:
-    """The batch script: holds the allocation while any orch agent step of it runs (module docstring)."""
+    """The batch script: holds the allocation while any orch agent step of it runs (module docstring).
+    It says what it sees in the job's output file (``slurm-<job>.out`` in the attempt's run directory):
+    agent steps running, none (and when it ends), a squeue that failed and why."""
     return f"""#!/bin/sh
 # orch: holds this allocation for the steps of its agents (srun --jobid=$SLURM_JOB_ID --overlap);
-# it ends once none of them has run for {idle_s} s.
-# A squeue that fails (slurmctld busy) is no evidence either way: only {10 * idle_s} s of those end it.
-idle=0
-blind=0
-while [ "$idle" -lt {idle_s} ] && [ "$blind" -lt {10 * idle_s} ]; do
+# it ends once squeue has shown none of them for {idle_s} s. A squeue that fails (slurmctld busy) is no
+# evidence either way: only {10 * idle_s} s without an answer end it.
+last=$(date +%s); seen=$last; said=""
+while [ $((seen - last)) -lt {idle_s} ] && [ $(($(date +%s) - seen)) -lt {10 * idle_s} ]; do
   sleep 2
-  if steps=$(squeue -h -s -j "$SLURM_JOB_ID" -o %j 2>/dev/null); then
-    blind=0
-    if printf '%s\n' "$steps" | grep -q '^orch-agent-'; then idle=0; else idle=$((idle + 2)); fi
+  if steps=$(squeue -h -s -j "$SLURM_JOB_ID" -o %j 2>&1); then
+    seen=$(date +%s)
+    if printf '%s\n' "$steps" | grep -q '^orch-agent-'; then
+      last=$seen; [ "$said" = run ] || echo "orch: $(date +%T) agent steps running"; said=run
+    else
+      [ "$said" = idle ] || echo "orch: $(date +%T) no agent step: the allocation ends in {idle_s} s unless one starts"
+      said=idle
+    fi
   else
-    blind=$((blind + 2))
+    [ "$said" = blind ] || echo "orch: $(date +%T) squeue failed: $steps"; said=blind
   fi
 done
+echo "orch: $(date +%T) ending the allocation"
 """
 
 

@@ -25,6 +25,7 @@ from ..launchers import get_launcher
 from .accelerate import AccelerateSettings, read_for_spec
 from .slurm import SlurmOptions
 from .files import line_of, read_deepspeed_config, read_yaml
+from .restart import RestartPolicy
 from .resume import ResumeOptions
 
 __all__ = ["JobSpec", "SSHOptions", "RayOptions", "load_spec", "spec_from_dict", "load_deepspeed_config", "PROVISIONERS",
@@ -102,47 +103,6 @@ class PreflightOptions(BaseModel):
         return {"enabled": value} if isinstance(value, bool) else value
 
 
-RETRY_CAUSES = ("rank_exit", "node_lost", "no_progress", "provision_failed", "preflight_failed")
-
-
-class RestartPolicy(BaseModel):
-    """When a FAILED attempt is restarted by itself (the spec's ``restart`` section).
-
-    A restart is ``orch resume`` done by the controller: a new attempt from the last
-    complete checkpoint, after ``backoff_seconds * backoff_factor ** (restarts so far)``
-    seconds (at most ``max_backoff_seconds``), like torchrun's ``--max-restarts``.
-    """
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    max_restarts: int = Field(0, ge=0, le=10_000, description="Automatic restarts of the job at most; 0: none.")
-    backoff_seconds: float = Field(5.0, ge=0, le=3600, description="Wait before the first restart.")
-    backoff_factor: float = Field(2.0, ge=1, le=100, description="Each further restart waits this much longer.")
-    max_backoff_seconds: float = Field(300.0, ge=0, le=86400, description="The longest wait.")
-    retry_on: list[Literal["rank_exit", "node_lost", "no_progress", "provision_failed", "controller_lost",
-                        "preflight_failed"]] = Field(
-        default_factory=lambda: ["rank_exit", "node_lost", "no_progress", "controller_lost"],
-        description="Causes of failure that are restarted (controller_lost: by the next orch server, for "
-                    "jobs an orch server ran).")
-    retry_exit_codes: list[int] | None = Field(None, description="Only rank exits with these codes are "
-                                               "restarted (a signal is its negative number); null: any.")
-    exclude_failed_nodes: bool = Field(False, description="Restart without a lost node (a spare host of the "
-                                       "hostfile takes its place).")
-
-    def backoff(self, restarts_so_far: int) -> float:
-        """Seconds to wait before restart number ``restarts_so_far + 1``."""
-        return min(self.max_backoff_seconds, self.backoff_seconds * self.backoff_factor ** restarts_so_far)
-
-    def retries(self, cause: dict | None) -> bool:
-        """Whether a failure with ``cause`` (an attempt's cause dict) is one to restart."""
-        kind = (cause or {}).get("kind")
-        if kind not in self.retry_on:
-            return False
-        if kind == "rank_exit" and self.retry_exit_codes is not None:
-            return (cause or {}).get("returncode") in self.retry_exit_codes
-        return True
-
-
 class JobSpec(BaseModel):
     """A validated, frozen job spec. See ``docs/jobspec.md`` for every field.
 
@@ -213,10 +173,16 @@ class JobSpec(BaseModel):
                               "the one the controller reaches the node at (127.0.0.1 for local agents); an IP "
                               "address; 0.0.0.0 (or ::) for every interface.")
     stop_grace_seconds: float = Field(10.0, gt=0, le=3600)
-    hang_timeout: float | None = Field(None, gt=0, le=86400, description="Seconds without a new step on a "
-                                       "rank (reported, or a step= log line), counted from the attempt's first "
-                                       "step, after which the attempt fails with 'no progress', every rank's "
-                                       "stacks dumped first; null: never.")
+    hang_timeout: Annotated[float, Field(gt=0, le=86400)] | Literal["auto"] | None = Field(
+        "auto", description="Seconds without a new step on a rank (reported, or a step= log line) after which "
+        "the attempt fails with 'no progress', every rank's stacks dumped first. auto: each rank from its own "
+        "first step, 10x the longest step gap seen in the attempt, at least 300 s; a number: every rank once "
+        "any stepped; null: never.")
+    startup_timeout: float | None = Field(900.0, gt=0, le=7 * 86400, description="Seconds from the ranks' start "
+                                          "to the attempt's first step on any rank (imports, the rendezvous, "
+                                          "building ops), after which the attempt fails with 'start-up', every "
+                                          "rank's stacks dumped first; null: never (a script that reports no "
+                                          "step at all needs it).")
     ssh: SSHOptions = Field(default_factory=SSHOptions)
     ray: RayOptions = Field(default_factory=RayOptions)
     slurm: SlurmOptions = Field(default_factory=SlurmOptions)
@@ -404,6 +370,28 @@ def _problems_from(err: ValidationError, tree: yaml.Node | None) -> list[tuple[s
     return unique
 
 
+def _nul_problems(data: Any, path: str = "") -> list[tuple[str, str]]:
+    """Every string of the spec (keys too) holding a NUL byte, by field path: no path, argument or
+    environment value can carry one to a process (exec refuses it), so it is refused here, not at run time."""
+    out: list[tuple[str, str]] = []
+    stack = [(path, data)]
+    while stack and len(out) < 20:
+        where, value = stack.pop()
+        if isinstance(value, str):
+            if "\x00" in value:
+                out.append((where or "(spec)", "contains a NUL byte (\\x00); no path, argument or environment "
+                                              "value can hold one"))
+        elif isinstance(value, Mapping):
+            for k, v in value.items():
+                key = f"{where}.{k}" if where else str(k)
+                if isinstance(k, str) and "\x00" in k:
+                    out.append((key.replace("\x00", "\\x00"), "this name contains a NUL byte (\\x00)"))
+                stack.append((key, v))
+        elif isinstance(value, (list, tuple)):
+            stack.extend((f"{where}[{i}]", v) for i, v in enumerate(value))
+    return sorted(out)
+
+
 def _raise(problems: list[tuple[str, str, int | None]], source: str) -> None:
     problems = sorted(problems, key=lambda p: (p[2] is None, p[2] or 0))
     lines = [f"  {path}{f' (line {line})' if line else ''}: {msg}" for path, msg, line in problems]
@@ -448,6 +436,10 @@ def spec_from_dict(data: Any, base_dir: str | Path = ".", source: str = "<spec>"
     if data.get("accelerate_config") is not None:  # its keys become the spec's where the spec is silent
         data, accelerate_problems = read_for_spec(dict(data), base_dir)
     accelerate_lines = [(p, m, line_of(_tree, ("accelerate_config",))) for p, m in accelerate_problems]
+    nul = _nul_problems(data)
+    if nul:
+        _raise([(p, m, line_of(_tree, tuple(p.replace("]", "").replace("[", ".").split(".")))) for p, m in nul],
+               source)
     try:
         spec = JobSpec.model_validate(dict(data))
     except ValidationError as err:

@@ -71,6 +71,11 @@ CREATE TABLE IF NOT EXISTS progress (
     data TEXT NOT NULL
 );
 CREATE INDEX IF NOT EXISTS progress_job ON progress(job_id, attempt, id);
+CREATE TABLE IF NOT EXISTS submit_keys (
+    key TEXT PRIMARY KEY,
+    job_id TEXT NOT NULL REFERENCES jobs(id),
+    at REAL NOT NULL
+);
 """
 
 
@@ -216,15 +221,25 @@ class Store(CheckpointLedger):
 
     # -- jobs -----------------------------------------------------------------------------
 
-    def create_job(self, job_id: str, name: str, spec: dict, *, owner: dict | None = None) -> JobRecord:
-        """Insert a new job in PENDING and record a ``submitted`` event."""
+    def create_job(self, job_id: str, name: str, spec: dict, *, owner: dict | None = None,
+                   key: str | None = None) -> JobRecord:
+        """Insert a new job in PENDING and record a ``submitted`` event; ``key``: the submit's idempotency
+        key, remembered with the job in the same transaction (:meth:`job_for_key`)."""
         now = self.clock()
         with self._tx() as db:
             db.execute("INSERT INTO jobs (id, name, state, spec, attempt, owner, created_at, updated_at)"
                        " VALUES (?, ?, ?, ?, 0, ?, ?, ?)",
                        (job_id, name, JobState.PENDING.value, _dump(spec), _dump(owner), now, now))
+            if key is not None:
+                db.execute("INSERT INTO submit_keys (key, job_id, at) VALUES (?, ?, ?)", (key, job_id, now))
             self._event(db, job_id, None, "submitted", {"name": name}, now)
         return self.get_job(job_id)
+
+    def job_for_key(self, key: str) -> str | None:
+        """The id of the job a submit with this idempotency key made, or None."""
+        with self._lock:
+            row = self._db.execute("SELECT job_id FROM submit_keys WHERE key = ?", (key,)).fetchone()
+        return row["job_id"] if row else None
 
     def get_job(self, job_id: str) -> JobRecord:
         """Return the job with this id, or the only job whose id starts with it.

@@ -99,7 +99,8 @@ class AttemptRun(AttemptMessages):
         self.cancel_reason = "cancelled by the user"
         self.done = threading.Event()
         self.heartbeats = HeartbeatWatch(self.timings.node_timeout_s, self.timings.heartbeat_s)
-        self.progress = ProgressWatch(spec.hang_timeout, plan.run_dir)
+        self.progress = ProgressWatch(spec.hang_timeout, plan.run_dir, startup_timeout=spec.startup_timeout,
+                                      floor_s=self.timings.hang_floor_s)
         self._preflight: PreflightRound | None = None  # between every hello and the start
         self._rank_node = {r.global_rank: n for n, r in plan.ranks()}
         self._last_ping = 0.0
@@ -233,20 +234,26 @@ class AttemptRun(AttemptMessages):
                                f"(node {node_rank}) for {silence:.1f} s"})
 
     def _check_progress(self) -> None:
-        """Hang detection: a stalled rank has every running node dump its ranks' stacks, then the
-        attempt fails with ``no_progress`` (:class:`~.watches.ProgressWatch`)."""
+        """Start-up and hang deadlines: one passed has every running node dump its ranks' stacks, then
+        the attempt fails with ``startup_timeout``/``no_progress`` naming what the ranks are stuck in, or
+        the ranks get more time where they are exiting or saving (:class:`~.watches.ProgressWatch`)."""
         if self.state != JobState.RUNNING:
             return
-        cause = self.progress.due()
-        if cause is not None:
-            return self._fail(cause)
+        verdict = self.progress.due()
+        if verdict is not None:
+            what, data = verdict
+            if what == "fail":
+                return self._fail(data)
+            self._event("hang_dismissed", data)
+            return
         cause = self.progress.stalled(self.exits)
         if cause is None:
             return
         running = {n for n, st in self.node_state.items() if st == "running"}
         for node_rank in running:
             self.agents[node_rank].send({"type": "dump"})
-        self._event("hang_detected", {"ranks": cause["ranks"], "steps": cause["steps"]})
+        self._event("hang_detected" if cause["kind"] == "no_progress" else "startup_timeout_passed",
+                    {"ranks": cause["ranks"], "steps": cause["steps"]})
         self.progress.await_stacks(cause, running)
 
     # -- state --------------------------------------------------------------------------------
@@ -320,9 +327,11 @@ class AttemptRun(AttemptMessages):
         """Stop, kill, sweep (:class:`~.teardown.Teardown`); then release everything and record the end."""
         self._tearing_down = True
         try:
-            reason = (self.store.get_job(self.job_id).cause or {}).get("message", "attempt ended")
+            cause = self.store.get_job(self.job_id).cause or {}
+            reason = cause.get("message", "attempt ended")
+            hung = cause.get("ranks") or [] if cause.get("kind") in ("no_progress", "startup_timeout") else []
             teardown = Teardown(self.agents, self.node_state, self.heartbeats, self.provisioner, self._drain)
-            lost = teardown.stop(reason, self.plan.grace, self._failed_at)
+            lost = teardown.stop(reason, self.plan.grace, self._failed_at, kill=hung)
             self._revise_cause(lost)
             swept = teardown.finish(self.plan)
             if swept:

@@ -108,6 +108,7 @@ class Controller:
         self._runs: dict[str, AttemptRun] = {}
         self._queued: dict[str, QueuedAttempt] = {}  # job id -> its attempt waiting for a scheduler's nodes
         self._lock = threading.Lock()
+        self._key_locks: dict[str, threading.Lock] = {}  # idempotency key -> its submit's lock
         self._closed = threading.Event()
         self._services = AttemptServices(self.store, self.metrics, self.targets, self.timings, self._attempt_ended)
         self._watcher = threading.Thread(target=self._watch_requests, name="cancel-watcher", daemon=True)
@@ -127,7 +128,7 @@ class Controller:
 
     # -- commands -----------------------------------------------------------------------------
 
-    def submit(self, spec: JobSpec) -> JobRecord:
+    def submit(self, spec: JobSpec, key: str | None = None) -> JobRecord:
         """Plan the job's first attempt and start it.
 
         Planning happens before anything is stored or started, so a bad hostfile,
@@ -135,20 +136,44 @@ class Controller:
         grants (slurm from a login node: ``needs_allocation()``) has its request checked here;
         the job is then stored PENDING and planned once the nodes are granted (:mod:`.queued`).
 
+        Args:
+            key: an idempotency key: a submit with a key already used returns that job, starting nothing
+                (a client's retry after a lost reply).
+
         Raises:
             OrchError: the job cannot be planned.
+            StateError: ``key`` was used for a job with another spec.
         """
+        if key is None:
+            return self._submit(spec, None)
+        with self._lock:
+            lock = self._key_locks.setdefault(key, threading.Lock())
+        with lock:  # two requests with one key at once: the second waits and gets the first's job
+            done = self.store.job_for_key(key)
+            if done is None:
+                try:
+                    return self._submit(spec, key)
+                finally:
+                    with self._lock:
+                        self._key_locks.pop(key, None)
+            job = self.store.get_job(done)
+            if job.spec != json.loads(json.dumps(spec.to_dict(), sort_keys=True)):
+                raise StateError(f"Idempotency key {key!r} was used for job {job.id}, with another spec; give a new "
+                                 "key for a new job.")
+            return job
+
+    def _submit(self, spec: JobSpec, key: str | None) -> JobRecord:
         job_id = new_job_id(spec.name)
         provisioner = self.provisioner_factory(spec.provisioner, spec)
         if provisioner.needs_allocation():  # planned once the scheduler grants the nodes
             size = self._allocation_size(spec, provisioner)
-            self.store.create_job(job_id, spec.name, spec.to_dict(), owner=self.owner)
+            self.store.create_job(job_id, spec.name, spec.to_dict(), owner=self.owner, key=key)
             self._queue(job_id, 1, spec, provisioner, size, lambda granted: self._start_planned(
                 spec, *prepare_plan(spec, self.state_dir, job_id, provisioner=granted), granted))
             return self.store.get_job(job_id)
         plan, lease = prepare_plan(spec, self.state_dir, job_id)
         try:
-            self.store.create_job(job_id, spec.name, spec.to_dict(), owner=self.owner)
+            self.store.create_job(job_id, spec.name, spec.to_dict(), owner=self.owner, key=key)
         except BaseException:
             lease.release()
             raise

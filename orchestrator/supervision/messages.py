@@ -81,6 +81,7 @@ class AttemptMessages:
     def _on_rank_exit(self, node_rank: int, msg: dict) -> None:
         rank, code = int(msg["global_rank"]), int(msg["returncode"])
         self.exits[rank] = code
+        self.progress.ended(rank, code)
         self._event("rank_exit", {"global_rank": rank, "node_rank": node_rank, "host": self._host(node_rank),
                                   "returncode": code, "how": msg.get("how"), "during_teardown": self._tearing_down})
         if code == 0 or not self._open():
@@ -109,6 +110,12 @@ class AttemptMessages:
             self._fail({"kind": "node_lost", "node": self._host(node_rank), "node_rank": node_rank,
                         "message": f"node lost: Slurm took {self._host(node_rank)} (node {node_rank}) away: its "
                                    f"agent's step got SIGTERM (preemption, scancel, or the node failing)"})
+            return
+        if msg.get("lease_expired"):  # the controller was silent: its own stall, not the job's fault
+            self._fail({"kind": "controller_stalled", "node": self._host(node_rank), "node_rank": node_rank,
+                        "message": f"the controller stalled: the agent on {self._host(node_rank)} (node {node_rank}) "
+                                   f"stopped its ranks after {msg.get('reason')} (orch's own trouble: the job is "
+                                   "restarted whatever its restart policy says)"})
             return
         self._fail({"kind": "agent_stopped", "node": self._host(node_rank), "node_rank": node_rank,
                     "message": f"the agent on {self._host(node_rank)} (node {node_rank}) stopped its ranks: "

@@ -32,7 +32,7 @@ __all__ = ["PreflightRound", "CHECKS", "TOKEN_PREFIX", "token_dir", "skipped_che
 
 #: Every check, in the order results are shown.
 CHECKS = ("python", "deepspeed", "workdir", "entrypoint", "checkpoint_dir", "master_port", "network",
-          "shared_checkpoint_dir")
+          "build_locks", "shared_checkpoint_dir")
 #: Name prefix of the token directory inside the checkpoint directory (as agents.preflight).
 TOKEN_PREFIX = ".orch-preflight-"
 _LISTED = 8  # hosts named per group of a shared-storage failure before "and N more"
@@ -48,7 +48,7 @@ def skipped_checks(spec: JobSpec, plan: JobPlan) -> dict[str, str]:
 
     ``deepspeed`` applies only to a job known to use DeepSpeed: one whose plan carries a
     DeepSpeed config (the spec's ``deepspeed_config``, or one built from an Accelerate
-    config), or that asks for ``deepspeed_args``; ``python`` and ``deepspeed`` do not apply
+    config), or that asks for ``deepspeed_args`` (so does ``build_locks``); ``python`` and ``deepspeed`` do not apply
     under ``no_python`` (the entrypoint runs without the spec's Python); the shared-storage
     check needs two nodes and can be turned off (``preflight.shared_checkpoint_dir``).
     """
@@ -57,6 +57,8 @@ def skipped_checks(spec: JobSpec, plan: JobPlan) -> dict[str, str]:
         skip["python"] = skip["deepspeed"] = "no_python: the entrypoint runs without the spec's Python"
     elif not plan.deepspeed_config and spec.deepspeed_config is None and not spec.deepspeed_args:
         skip["deepspeed"] = "the spec has no deepspeed_config, so the job is not known to use DeepSpeed"
+    if "deepspeed" in skip:
+        skip["build_locks"] = "the job is not known to build DeepSpeed's ops"
     if not spec.preflight.shared_checkpoint_dir:
         skip["shared_checkpoint_dir"] = "turned off (preflight.shared_checkpoint_dir: false)"
     elif len(plan.nodes) < 2:

@@ -15,6 +15,7 @@ import os
 import shutil
 import sys
 from pathlib import Path
+from typing import Any
 
 from agents import devices, network
 from agents.agent import rank_env
@@ -157,6 +158,8 @@ def prepare_plan(spec: JobSpec, state_dir: str | Path, job_id: str, *, attempt: 
         # nodes a scheduler granted this attempt alone are asked for again (without the lost ones) by a restart
         _check_restart_policy(spec, provisioner, pool)
     job_ds = job_deepspeed(spec, [len(slots) for _, slots in pool.nodes], os.environ)  # resolved for this world
+    if spec.master_addr:
+        _check_resolves(spec.master_addr)
     master_addr = spec.master_addr or provisioner.master_addr(pool.hosts[0])
     lease = reserve_port(default_lock_dir(), spec.master_port, master_addr,
                          check_bind=spec.provisioner == "local", hold=hold_port)
@@ -278,12 +281,71 @@ def pool_of(spec: JobSpec, provisioner: Provisioner) -> ResourcePool:
         where = ", ".join(f"{h} (line {getattr(hosts, 'lines', {}).get(h, '?')})" for h in empty)
         raise HostfileError(f"Hostfile {source}: host(s) {where} have slots=0, so they would run no rank; "
                             "remove those lines or exclude the hosts.", path=source)
+    _check_counts_fit(spec, hosts, pool, source)
     if not pool.nodes:
         used = " and ".join(f"{name} {getattr(spec, name)!r}" for name in ("include", "exclude")
                             if getattr(spec, name))
         raise FilterError(f"No slot of hostfile {source} is left after {used or 'the filters'}; "
                           f"the hostfile has {', '.join(hosts)}.")
     return pool
+
+
+#: How long the spec's master_addr may take to resolve here (seconds).
+RESOLVE_TIMEOUT_S = 5.0
+
+
+def _check_resolves(addr: str) -> None:
+    """The spec's ``master_addr`` must resolve (an IP address is not looked up), within
+    :data:`RESOLVE_TIMEOUT_S`: a name that does not would leave every rank waiting in the rendezvous.
+
+    Raises:
+        PlanError: it does not resolve, or not in time.
+    """
+    import ipaddress
+    import socket
+    import threading
+    try:
+        ipaddress.ip_address(addr)
+        return
+    except ValueError:
+        pass
+    found: dict[str, Any] = {}
+
+    def look() -> None:
+        try:
+            found["ok"] = socket.getaddrinfo(addr, None, type=socket.SOCK_STREAM)
+        except (OSError, UnicodeError) as err:
+            found["error"] = getattr(err, "strerror", None) or str(err)
+    t = threading.Thread(target=look, name="resolve-master", daemon=True)
+    t.start()
+    t.join(RESOLVE_TIMEOUT_S)
+    if "ok" in found:
+        return
+    why = found.get("error") or f"no answer within {RESOLVE_TIMEOUT_S:g} s"
+    raise PlanError(f"master_addr {addr!r} does not resolve on this machine ({why}); expected a host name every "
+                    "node can resolve, or an IP address (DeepSpeed would leave every rank waiting in the rendezvous).")
+
+
+def _check_counts_fit(spec: JobSpec, hosts: collections.OrderedDict, pool: ResourcePool, source: str) -> None:
+    """``num_gpus`` and ``num_nodes`` must fit the hosts: where DeepSpeed's runner only warns (num_gpus over
+    a host's slots: the node then fails at start; num_nodes over the hosts: fewer nodes, a different world
+    size), orch refuses at plan time, naming the hosts and lines (docs/jobspec.md)."""
+    lines = getattr(hosts, "lines", {})
+    via = " (from accelerate_config's num_machines/num_processes)" if spec.accelerate_config else ""
+    if spec.num_gpus > 0:
+        short = [h for h, _ in pool.nodes if hosts.get(h, 0) < spec.num_gpus]
+        if short:
+            where = ", ".join(f"{h} slots={hosts[h]}" + (f" (line {lines[h]})" if h in lines else "")
+                              for h in short[:5]) + (f" and {len(short) - 5} more" if len(short) > 5 else "")
+            raise HostfileError(f"num_gpus={spec.num_gpus}{via} is more than the slots {source} gives {where}; "
+                                "expected num_gpus at most every used host's slots (DeepSpeed would start the "
+                                "ranks and fail on the node).", path=source)
+    if spec.num_nodes > len(pool.nodes):
+        left = f"{len(pool.nodes)} host(s) ({', '.join(h for h, _ in pool.nodes)})" if len(pool.nodes) <= 8 \
+            else f"{len(pool.nodes)} hosts"
+        raise FilterError(f"num_nodes={spec.num_nodes}{via} is more than the {left} {source} has"
+                          f"{' after exclude_hosts' if spec.exclude_hosts else ''}; expected at most that many "
+                          "(DeepSpeed would run on fewer nodes, with a different world size).")
 
 
 def network_preview(plan: JobPlan) -> dict[int, str]:

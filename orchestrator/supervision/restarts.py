@@ -14,6 +14,7 @@ from typing import Any
 
 from ..errors import OrchError
 from ..spec import JobSpec
+from ..spec.restart import CONTROLLER_CAUSES, CONTROLLER_RESTARTS
 from ..store import JobState, Store
 
 __all__ = ["Restarts"]
@@ -55,22 +56,35 @@ class Restarts:
         try:
             job = self.store.get_job(job_id)
             policy = spec.restart
-            if job.state != JobState.FAILED or policy.max_restarts == 0 or job.attempt != attempt:
+            if job.state != JobState.FAILED or job.attempt != attempt:
                 return False
-            done = sum(1 for e in self.store.events(job.id) if e.kind == "restart_scheduled")
             cause = job.cause or {}
-            if not policy.retries(cause):
-                return False
-            if done >= policy.max_restarts:
-                self.store.add_event(job.id, job.attempt, "warning", {
-                    "message": f"no automatic restart: the job was restarted {done} time(s), its max_restarts"})
-                return False
-            delay = policy.backoff(done)
+            scheduled = [e.data for e in self.store.events(job.id) if e.kind == "restart_scheduled"]
+            ours = cause.get("kind") in CONTROLLER_CAUSES  # orch's trouble: restarted whatever the policy
+            done = sum(1 for d in scheduled if not d.get("controller_fault"))
+            if ours:
+                in_row = next((i for i, d in enumerate(reversed(scheduled)) if not d.get("controller_fault")),
+                              len(scheduled))
+                if in_row >= CONTROLLER_RESTARTS:
+                    self.store.add_event(job.id, job.attempt, "warning", {
+                        "message": f"no automatic restart: the controller's own trouble ({cause.get('kind')}) "
+                                   f"ended {in_row + 1} attempts in a row; look at the machine orch runs on"})
+                    return False
+                delay = min(policy.backoff(0), 5.0)
+            else:
+                if policy.max_restarts == 0 or not policy.retries(cause):
+                    return False
+                if done >= policy.max_restarts:
+                    self.store.add_event(job.id, job.attempt, "warning", {
+                        "message": f"no automatic restart: the job was restarted {done} time(s), its max_restarts"})
+                    return False
+                delay = policy.backoff(done)
             exclude = [cause["node"]] if policy.exclude_failed_nodes and cause.get("kind") == "node_lost" \
                 and cause.get("node") else []
             self.store.add_event(job.id, job.attempt, "restart_scheduled", {
-                "restart": done + 1, "max_restarts": policy.max_restarts, "in_seconds": delay,
-                "exclude_hosts": exclude, "cause_kind": cause.get("kind")})
+                "restart": len(scheduled) + 1, "max_restarts": policy.max_restarts, "in_seconds": delay,
+                "exclude_hosts": exclude, "cause_kind": cause.get("kind"),
+                **({"controller_fault": True} if ours else {})})
         except OrchError as err:
             self.log_failure(job_id, f"cannot decide on a restart: {err}")
             return False

@@ -29,6 +29,7 @@ class Timings:
         agent_lease_s: the controller's silence after which an agent stops its ranks.
         provision_timeout_s: how long every agent has to start and say hello.
         preflight_timeout_s: how long the nodes' preflight checks may take.
+        hang_floor_s: the shortest step watchdog timeout ``hang_timeout: auto`` gives.
     """
 
     heartbeat_s: float = 0.5
@@ -36,14 +37,17 @@ class Timings:
     agent_lease_s: float = 15.0
     provision_timeout_s: float = 120.0
     preflight_timeout_s: float = 60.0
+    hang_floor_s: float = 300.0
 
     @classmethod
     def from_env(cls, heartbeat_s: float | None = None, node_timeout_s: float | None = None,
                  agent_lease_s: float | None = None) -> "Timings":
         """The given values, else ``$ORCH_HEARTBEAT_S``, ``$ORCH_NODE_TIMEOUT_S``, ``$ORCH_AGENT_LEASE_S``,
-        ``$ORCH_PROVISION_TIMEOUT_S``, ``$ORCH_PREFLIGHT_TIMEOUT_S``, else the defaults above."""
+        ``$ORCH_PROVISION_TIMEOUT_S``, ``$ORCH_PREFLIGHT_TIMEOUT_S``, ``$ORCH_HANG_FLOOR_S``, else the defaults
+        above."""
         return cls(heartbeat_s=heartbeat_s or env_seconds("ORCH_HEARTBEAT_S", cls.heartbeat_s),
                    node_timeout_s=node_timeout_s or env_seconds("ORCH_NODE_TIMEOUT_S", cls.node_timeout_s),
                    agent_lease_s=agent_lease_s or env_seconds("ORCH_AGENT_LEASE_S", cls.agent_lease_s),
                    provision_timeout_s=env_seconds("ORCH_PROVISION_TIMEOUT_S", cls.provision_timeout_s),
-                   preflight_timeout_s=env_seconds("ORCH_PREFLIGHT_TIMEOUT_S", cls.preflight_timeout_s))
+                   preflight_timeout_s=env_seconds("ORCH_PREFLIGHT_TIMEOUT_S", cls.preflight_timeout_s),
+                   hang_floor_s=env_seconds("ORCH_HANG_FLOOR_S", cls.hang_floor_s))

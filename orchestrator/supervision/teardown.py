@@ -9,7 +9,7 @@ ranks when the controller's pings stop reaching it (its lease), and its connecti
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 from ..planning import JobPlan
@@ -46,9 +46,10 @@ class Teardown:
         self.clock = clock
         self._live: dict[int, AgentHandle] = {}
 
-    def stop(self, reason: str, grace_s: float, failed_at: float | None) -> set[int]:
+    def stop(self, reason: str, grace_s: float, failed_at: float | None, kill: Collection[int] = ()) -> set[int]:
         """Tell every reachable agent to stop its ranks (SIGTERM, ``grace_s``, SIGKILL) and wait for it;
-        after a failure, give nodes silent since it until the node timeout to speak.
+        after a failure, give nodes silent since it until the node timeout to speak. ``kill``: global
+        ranks found hung (their stacks dumped), which their agents SIGKILL at once.
 
         Returns:
             Every lost node: lost before (``lost``/``gone``) or while stopping (silent past the node
@@ -60,7 +61,7 @@ class Teardown:
         self._live = {n: h for n, h in self.agents.items() if n not in lost}
         for node_rank, handle in self._live.items():
             if self.node_state[node_rank] not in ENDED:
-                handle.send({"type": "stop", "reason": reason})
+                handle.send({"type": "stop", "reason": reason, **({"kill": sorted(kill)} if kill else {})})
         deadline = self.clock() + grace_s + STOP_SLACK_S
         for node_rank, handle in self._live.items():
             while not handle.wait(0.1) and self.clock() < deadline:

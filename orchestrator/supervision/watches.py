@@ -90,36 +90,77 @@ class HeartbeatWatch:
 
 
 class ProgressWatch:
-    """Hang detection (the spec's ``hang_timeout``): every rank's last step and when it last moved.
+    """The deadlines of a running attempt's ranks: start-up to the first step, and the step watchdog.
 
-    Armed by the attempt's first step on any rank (start-up: imports, the rendezvous, building ops,
-    may take long and counts against no rank). A running rank whose step has not moved for
-    ``hang_timeout`` seconds is stalled; the attempt then has every node dump its ranks' stacks and
-    fails once all answered or :data:`STACKS_WAIT_S` passed.
+    * **Start-up** (the spec's ``startup_timeout``): counted from RUNNING (every node started its
+      ranks) to the attempt's first reported step on any rank: imports, the rendezvous, building ops.
+    * **Hangs** (``hang_timeout``): a rank whose step has not moved for the timeout is stalled. A number
+      watches every rank once any rank stepped (a rank with no step then counts as stalled); ``auto``
+      watches each rank from its own first step, for ``max(floor_s, AUTO_FACTOR x the longest gap
+      between two steps seen on any rank of this attempt)``; until a gap is seen, for
+      ``max(floor_s, startup_timeout)``. A rank is not watched once it reported its
+      final step (``report.step(..., final=True)``), and no rank is once any rank exited 0 (the job is
+      finishing: ranks of one job end together).
+
+    An expiry has every node dump its ranks' stacks (:mod:`agents.stacks`); once all answered (or
+    :data:`STACKS_WAIT_S` passed) :meth:`due` gives the verdict. A stalled rank whose main thread is
+    exiting (past the script's main code) or saving a checkpoint is not hung: it is given
+    ``max(timeout, GRACE_S)`` more, once when exiting, :data:`SAVE_GRACES` times when saving. Otherwise the
+    cause names each stalled rank and what its main thread is stuck in.
 
     Args:
-        hang_timeout: seconds without a new step, or None (never).
+        hang_timeout: seconds, ``"auto"``, or None (no step watchdog).
+        startup_timeout: seconds, or None (start-up is not timed).
         run_dir: the attempt's run directory (where the stacks are written, for the message).
+        floor_s: the shortest ``auto`` timeout (seconds).
         clock: monotonic seconds (injectable for tests).
     """
 
-    #: Longest wait for the nodes' stack dumps after a hang was found (seconds).
+    #: Longest wait for the nodes' stack dumps after an expiry (seconds).
     STACKS_WAIT_S = 30.0
+    #: ``auto``: the timeout is this many times the longest step gap seen (never under the floor).
+    AUTO_FACTOR = 10.0
+    #: More time for a rank found exiting or saving instead of stuck (seconds; at least the timeout).
+    GRACE_S = 300.0
+    #: Times a rank found saving a checkpoint is given more time before a save that never ends is a hang.
+    SAVE_GRACES = 3
 
-    def __init__(self, hang_timeout: float | None, run_dir: str, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, hang_timeout: float | str | None, run_dir: str, startup_timeout: float | None = None,
+                 floor_s: float = 300.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.hang_timeout = hang_timeout
+        self.startup_timeout = startup_timeout
+        self.floor_s = floor_s
         self.run_dir = run_dir
         self.clock = clock
         self._steps: dict[int, tuple[int | None, float]] = {}  # rank -> (last step, when it last moved)
-        self._hang: dict[str, Any] | None = None  # a detected hang, waiting for the stack dumps
+        self._extra: dict[int, float] = {}  # rank -> seconds added to its deadline (found exiting/saving)
+        self._graces: dict[int, dict[str, int]] = {}  # rank -> {"exiting": n, "saving": n} given
+        self._done: set[int] = set()  # ranks not watched: final step reported
+        self._finishing = False  # a rank exited 0
+        self._longest_gap = 0.0
+        self._started = 0.0
+        self._hang: dict[str, Any] | None = None  # an expiry, waiting for the stack dumps
+
+    @property
+    def auto(self) -> bool:
+        return self.hang_timeout == "auto"
+
+    def timeout(self) -> float | None:
+        """The step watchdog's timeout now (seconds): the spec's number, or ``auto``'s value; None: off."""
+        if self.auto:  # before any gap is seen (DeepSpeed's rank 0 says step=0 at initialize, then step=10
+            # only after steps_per_print steps), start-up's deadline still holds
+            if not self._longest_gap:
+                return max(self.floor_s, self.startup_timeout or 0.0)
+            return max(self.floor_s, self.AUTO_FACTOR * self._longest_gap)
+        return float(self.hang_timeout) if self.hang_timeout else None
 
     def watch(self, ranks: Iterable[int]) -> None:
-        """Start watching these global ranks (the attempt is running)."""
-        now = self.clock()
+        """Start watching these global ranks (the attempt is running): start-up is counted from now."""
+        now = self._started = self.clock()
         self._steps = {r: (None, now) for r in ranks}
 
     def record(self, rows: Iterable[tuple[int, dict]]) -> None:
-        """Take reported steps: ``(global rank, {"step": n, ...})``."""
+        """Take reported steps: ``(global rank, {"step": n, ...})`` (``"final"``: the rank's last)."""
         rows = list(rows)
         now = self.clock()
         if self._steps and all(v[0] is None for v in self._steps.values()):
@@ -127,57 +168,112 @@ class ProgressWatch:
         for rank, point in rows:
             old = self._steps.get(rank)
             if old is not None and (old[0] is None or int(point["step"]) > old[0]):
+                if old[0] is not None:
+                    self._longest_gap = max(self._longest_gap, now - old[1])
                 self._steps[rank] = (int(point["step"]), now)
+                self._extra.pop(rank, None)
+            if point.get("final"):
+                self._done.add(rank)
+
+    def ended(self, rank: int, returncode: int) -> None:
+        """A rank exited; one that exited 0 means the job is finishing: no rank is watched any more."""
+        if returncode == 0:
+            self._finishing = True
 
     def stalled(self, exited: Collection[int]) -> dict[str, Any] | None:
-        """The ``no_progress`` cause of a newly found hang (``ranks``, ``steps``, ``message``, an empty
-        ``stacks``), or None: no timeout, not armed yet, a hang already found, or no rank stalled.
+        """The cause of a newly passed deadline, ``startup_timeout`` or ``no_progress`` (``ranks``, ``steps``,
+        ``message``, an empty ``stacks``), or None: nothing timed, a verdict pending, none passed.
 
         Args:
             exited: global ranks that have exited (they are not watched).
         """
-        timeout = self.hang_timeout
-        if not timeout or not self._steps or self._hang is not None:
-            return None
-        if all(v[0] is None for v in self._steps.values()):
+        if not self._steps or self._hang is not None or self._finishing:
             return None
         now = self.clock()
         running = {r: v for r, v in self._steps.items() if r not in exited}
-        stalled = {r: v for r, v in running.items() if now - v[1] > timeout}
+        steps = {r: v[0] for r, v in self._steps.items()}
+        if all(v[0] is None for v in self._steps.values()):
+            late = self.startup_timeout and now - self._started > self.startup_timeout + self._extra.get(-1, 0.0)
+            if not late or not running:
+                return None
+            return {"kind": "startup_timeout", "ranks": sorted(running), "steps": {str(r): None for r in steps},
+                    "message": f"start-up: no rank reported a first step within {self.startup_timeout:g} s "
+                               f"(startup_timeout){self._stacks_note()}", "stacks": {}}
+        timeout = self.timeout()
+        if not timeout:
+            return None
+        watched = {r: v for r, v in running.items() if r not in self._done and (v[0] is not None or not self.auto)}
+        stalled = {r: v for r, v in watched.items() if now - v[1] > timeout + self._extra.get(r, 0.0)}
         if not stalled:
             return None
-        steps = {r: v[0] for r, v in running.items()}
-        known = [s for s in steps.values() if s is not None]
+        known = [s for s in (steps[r] for r in watched) if s is not None]
         low = min(known) if known else None
         behind = sorted(r for r in stalled if steps[r] is None) or sorted(r for r in stalled if steps[r] == low)
+        how = f"{timeout:g} s" + (" (hang_timeout auto)" if self.auto else "")
         if None in (steps[r] for r in behind):
             what = (f"rank(s) {', '.join(str(r) for r in behind if steps[r] is None)} reported no step "
-                    f"{timeout:g} s after the others started stepping")
+                    f"{how} after the others started stepping")
         elif max(known) > low:
-            what = (f"rank(s) {', '.join(map(str, behind))} stuck at step {low} for {timeout:g} s while others "
-                    f"reached step {max(known)}")
+            what = f"rank(s) {', '.join(map(str, behind))} stuck at step {low} for {how} while others reached step {max(known)}"
         else:
-            what = f"no rank passed step {low} for {timeout:g} s (rank(s) {', '.join(map(str, behind))})"
-        run_logs = os.path.join(self.run_dir, "logs")
-        return {"kind": "no_progress", "ranks": behind, "steps": {str(r): s for r, s in steps.items()},
-                "message": f"no progress: {what}; stacks of every rank in {run_logs}/rank-<rank>.stacks.txt",
-                "stacks": {}}
+            what = f"no rank passed step {low} for {how} (rank(s) {', '.join(map(str, behind))})"
+        return {"kind": "no_progress", "ranks": behind, "steps": {str(r): steps[r] for r in running},
+                "message": f"no progress: {what}{self._stacks_note()}", "stacks": {}}
+
+    def _give_more(self, rank: int, seconds: float) -> None:
+        """Move a rank's deadline (-1: start-up's) to ``seconds`` from now."""
+        now = self.clock()
+        if rank == -1:
+            self._extra[-1] = now + seconds - self._started - (self.startup_timeout or 0.0)
+        else:
+            self._extra[rank] = now + seconds - self._steps[rank][1] - (self.timeout() or 0.0)
+
+    def _stacks_note(self) -> str:
+        return f"; stacks of every rank in {os.path.join(self.run_dir, 'logs')}/rank-<rank>.stacks.txt"
 
     def await_stacks(self, cause: dict[str, Any], nodes: Iterable[int]) -> None:
-        """A hang was found (``cause`` from :meth:`stalled`); these nodes were asked for their stacks."""
-        self._hang = {"cause": cause, "waiting": set(nodes), "deadline": self.clock() + self.STACKS_WAIT_S}
+        """A deadline passed (``cause`` from :meth:`stalled`); these nodes were asked for their stacks."""
+        self._hang = {"cause": cause, "waiting": set(nodes), "deadline": self.clock() + self.STACKS_WAIT_S,
+                      "summaries": {}}
 
     def dumped(self, node_rank: int, msg: dict) -> None:
-        """A node's ``dumped`` answer: its stack files (and errors) join the cause."""
+        """A node's ``dumped`` answer: its stack files, errors and per-rank summaries join the verdict."""
         if self._hang is not None:
             self._hang["waiting"].discard(node_rank)
             self._hang["cause"]["stacks"].update(msg.get("files") or {})
+            self._hang["summaries"].update(msg.get("summaries") or {})
             if msg.get("errors"):
                 self._hang["cause"].setdefault("stack_errors", {}).update(msg["errors"])
 
-    def due(self) -> dict[str, Any] | None:
-        """The hang's cause once every node asked dumped its stacks (or the wait ran out), else None."""
+    def due(self) -> tuple[str, dict[str, Any]] | None:
+        """The verdict once every node asked dumped its stacks (or the wait ran out), else None:
+        ``("fail", cause)`` naming what each stalled rank is stuck in, or ``("dismissed", {"ranks", "doing",
+        "more_seconds"})`` when every stalled rank is exiting or saving (or a rank exited 0 meanwhile)."""
         if self._hang is None or (self._hang["waiting"] and self.clock() <= self._hang["deadline"]):
             return None
-        cause, self._hang = self._hang["cause"], None
-        return cause
+        hang, self._hang = self._hang, None
+        cause, summaries = hang["cause"], hang["summaries"]
+        if self._finishing:
+            return "dismissed", {"ranks": cause["ranks"], "doing": {}, "more_seconds": 0.0,
+                                 "why": "a rank exited 0: the job is finishing"}
+        kinds = {r: (summaries.get(str(r)) or {}).get("kind") for r in cause["ranks"]}
+        more = max(self.timeout() or 0.0, self.GRACE_S)
+        allowed = {"exiting": 1, "saving": self.SAVE_GRACES}
+        if all(k in allowed and self._graces.get(r, {}).get(k, 0) < allowed[k] for r, k in kinds.items()):
+            for r, k in kinds.items():
+                self._graces.setdefault(r, {}).setdefault(k, 0)
+                self._graces[r][k] += 1
+                self._give_more(-1 if cause["kind"] == "startup_timeout" else r, more)
+            return "dismissed", {"ranks": cause["ranks"], "more_seconds": more,
+                                 "doing": {str(r): (summaries.get(str(r)) or {}).get("doing") for r in kinds}}
+        stuck = []
+        for r in cause["ranks"][:8]:
+            summary = summaries.get(str(r)) or {}
+            words = summary.get("doing") or (f"in {summary['where']}" if summary.get("where") else None)
+            if words and summary.get("doing") and summary.get("where"):
+                words = f"{words}, at {summary['where']}"
+            stuck.append(f"rank {r}: {words or 'stacks unknown'}")
+        cause["stuck_in"] = {str(r): summaries.get(str(r)) for r in cause["ranks"] if summaries.get(str(r))}
+        head, _, tail = cause["message"].partition("; stacks of every rank")
+        cause["message"] = f"{head} ({'; '.join(stuck)}); stacks of every rank{tail}"
+        return "fail", cause

@@ -12,6 +12,8 @@ Configured by environment (so launchers' argv handling is untouched):
   that leaves the rank's process group, as a careless data loader might); its pid goes to
   ``<WORKER_READY_DIR>/escapee<r>.pid``.
 * ``WORKER_READY_DIR``: touch ``<dir>/rank<r>.ready`` once running.
+* ``WORKER_SAY``: a line printed as it is at the start (terminal escapes, for one).
+* ``WORKER_EXIT_S``: seconds an ``atexit`` handler spends after the last step (as an upload at exit does).
 """
 
 import os
@@ -41,6 +43,14 @@ if ready:
     open(os.path.join(ready, f"rank{rank}.ready"), "w").close()
 
 print(f"worker rank {rank} argv={sys.argv[1:]}", flush=True)
+if os.environ.get("WORKER_SAY"):
+    print(os.environ["WORKER_SAY"], flush=True)
+if os.environ.get("WORKER_EXIT_S"):
+    import atexit
+
+    def _upload_at_exit() -> None:
+        time.sleep(float(os.environ["WORKER_EXIT_S"]))
+    atexit.register(_upload_at_exit)
 for step in range(1, steps + 1):
     if rank == fail_rank and step == fail_at:
         print(f"rank {rank} failing at step {step} ({mode})", flush=True)

@@ -32,6 +32,18 @@ from .show import cmd_list, cmd_logs, cmd_status
 __all__ = ["main"]
 
 
+def _submit_and_list(add: Callable[..., argparse.ArgumentParser]) -> None:
+    """``orch submit`` and ``orch list``."""
+    sp = add("submit", cmd_submit, "Submit a job to the running orch server and return at once.")
+    job_arguments(sp)
+    sp.add_argument("--idempotency-key", metavar="KEY", default=None,
+                    help="submit at most once under KEY: a repeat with the same KEY (a script's retry) returns the "
+                         "job the first made (default: a new key per invocation; its own retries reuse it)")
+    sp = add("list", cmd_list, "List jobs, newest first.")
+    sp.add_argument("--limit", type=positive_int, default=50, metavar="N", help="the newest N jobs (default 50)")
+    sp.add_argument("--all", action="store_true", help="every job")
+
+
 def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common_options(common, top=False)
@@ -70,9 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--prometheus-targets", metavar="DIR", default=None,
                     help="directory for the Prometheus file_sd files of running attempts and of this server "
                          "(default $ORCH_PROMETHEUS_TARGETS or <state dir>/prometheus/targets; see docs/metrics.md)")
-    sp = add("submit", cmd_submit, "Submit a job to the running orch server and return at once.")
-    job_arguments(sp)
-    add("list", cmd_list, "List jobs, newest first.")
+    _submit_and_list(add)
     sp = add("status", cmd_status, "Show a job: its attempts, their causes, and every rank's state and progress.")
     sp.add_argument("job", help="job id (or a unique prefix)")
     sp = add("logs", cmd_logs, "Print a job's rank logs (all ranks, each line prefixed, or one rank).")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +36,8 @@ class StoreBackend:
             recover_orphans(self._store)
         return self._store
 
-    def list(self) -> list[dict]:
+    def list(self, limit: int = 1000) -> list[dict]:
+        """Up to ``limit`` jobs, newest first (``job_summary`` of each)."""
         from ...errors import NotFoundError
         from ...observe import job_summary
         try:
@@ -43,7 +45,7 @@ class StoreBackend:
         except NotFoundError:
             return []
         out = []
-        for job in store.list_jobs(1000):
+        for job in store.list_jobs(limit):
             attempt = store.get_attempt(job.id, job.attempt) if job.attempt else None
             out.append(job_summary(job, attempt))
         return out
@@ -83,6 +85,10 @@ class HttpBackend:
             r = self.http.request(method, path, **kw)
         except httpx.HTTPError as err:
             raise UsageError(f"Cannot reach the orch server at {self.url}: {str(err).rstrip('.')}.") from err
+        return self._answer(r)
+
+    def _answer(self, r: Any) -> Any:
+        """The JSON of a reply, or the UsageError its status means."""
         if r.status_code == 401 and not self.has_token:
             raise UsageError(f"The orch server at {self.url} needs its token, and none was found: give the state "
                              "dir it runs with (--state-dir), --token-file FILE, or $ORCH_TOKEN.")
@@ -98,8 +104,9 @@ class HttpBackend:
             raise UsageError(str(msg))
         return r.json()
 
-    def list(self) -> list[dict]:
-        return self._call("GET", "/api/jobs", params={"limit": 1000})
+    def list(self, limit: int = 1000) -> list[dict]:
+        """Up to ``limit`` jobs, newest first."""
+        return self._call("GET", "/api/jobs", params={"limit": limit})
 
     def detail(self, job_id: str) -> dict:
         return self._call("GET", f"/api/jobs/{job_id}")
@@ -123,8 +130,22 @@ class HttpBackend:
         return self._call("GET", f"/api/jobs/{job_id}/resume-preview", params={"exclude": ",".join(exclude)},
                           timeout=None)
 
-    def submit(self, spec: dict, source: str) -> dict:
-        return self._call("POST", "/api/jobs", json={"spec": spec, "source": source})
+    def submit(self, spec: dict, source: str, key: str) -> dict:
+        """Submit with the idempotency key ``key``: a request whose reply is lost (the connection broke, a
+        timeout) is sent again, up to 3 times in all, and the server answers a repeat with the same job."""
+        import httpx
+        for attempt in range(3):
+            try:
+                r = self.http.request("POST", "/api/jobs", json={"spec": spec, "source": source},
+                                      headers={"Idempotency-Key": key})
+            except httpx.HTTPError as err:
+                if attempt == 2 or not isinstance(err, httpx.TransportError):  # (timeouts are transport errors)
+                    raise UsageError(f"Cannot reach the orch server at {self.url}: {str(err).rstrip('.')}"
+                                     f"{f' (tried {attempt + 1} times)' if attempt else ''}.") from err
+                time.sleep(0.5 * (attempt + 1))
+                continue
+            return self._answer(r)
+        raise AssertionError("unreachable")
 
 
 def server_file(state_dir: Path) -> Path:

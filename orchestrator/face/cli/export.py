@@ -30,7 +30,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     if not detail.get("checkpoint_dir"):
         raise ExportError(f"Job {detail['id']} never started an attempt, so it has no checkpoints to export.")
     # bound to the real stderr now: the export sends DeepSpeed's own output elsewhere while it runs
-    err = Console(file=sys.stderr, width=None if sys.stderr.isatty() else 200)
+    err = Console(file=sys.stderr, width=None if sys.stderr.isatty() else 200, markup=False)
     ckpt, label = detail["checkpoint_dir"], f"Job {detail['id']}"
     if err.is_terminal:
         with err.status("Exporting...") as status:

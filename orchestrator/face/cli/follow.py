@@ -11,7 +11,7 @@ from typing import Any
 
 from rich.live import Live
 
-from .output import console, err_console, fmt_loss, print_json
+from .output import console, err_console, fmt_loss, print_json, printable
 from .render import final_words, render_detail, resume_words
 
 
@@ -71,7 +71,8 @@ def follow_plain(controller: Any, job_id: str, run: Any, args: argparse.Namespac
     out = err_console if args.output == "json" else console
 
     def say(text: str, at: float | None = None) -> None:
-        out.print(f"[{time.strftime('%H:%M:%S', time.localtime(at))}] {text}", markup=False, highlight=False)
+        out.print(f"[{time.strftime('%H:%M:%S', time.localtime(at))}] {printable(text)}", markup=False,
+                  highlight=False)
 
     seen_event, last_print, last_steps, running_since = since_event, 0.0, None, None
     while True:
@@ -95,10 +96,20 @@ def follow_plain(controller: Any, job_id: str, run: Any, args: argparse.Namespac
             elif ev.kind == "hang_detected":
                 say(f"no progress on rank(s) {', '.join(map(str, ev.data.get('ranks', [])))}: dumping every rank's "
                     "stacks, then failing the attempt", ev.at)
+            elif ev.kind == "startup_timeout_passed":
+                say("no rank reported a first step within startup_timeout: dumping every rank's stacks, then "
+                    "failing the attempt", ev.at)
+            elif ev.kind == "hang_dismissed":
+                doing = "; ".join(f"rank {r}: {d}" for r, d in (ev.data.get("doing") or {}).items() if d)
+                say(f"not a hang: {doing or ev.data.get('why')}; {ev.data.get('more_seconds', 0):.0f} s more", ev.at)
             elif ev.kind == "restart_scheduled":
-                say(f"restart {ev.data['restart']} of {ev.data['max_restarts']} in {ev.data['in_seconds']:.0f} s"
+                why = "the controller's own trouble, whatever the restart policy" if ev.data.get("controller_fault") \
+                    else "restart policy"
+                say(f"restart {ev.data['restart']}" + ("" if ev.data.get("controller_fault") else
+                                                       f" of {ev.data['max_restarts']}")
+                    + f" in {ev.data['in_seconds']:.0f} s"
                     + (f" without {', '.join(ev.data['exclude_hosts'])}" if ev.data.get("exclude_hosts") else "")
-                    + " (restart policy)", ev.at)
+                    + f" ({why})", ev.at)
             elif ev.kind == "checkpoint_marked_bad":
                 say(f"checkpoint {ev.data['tag']} marked bad: {ev.data['reason']}; no resume starts from it again "
                     "until it is saved again", ev.at)

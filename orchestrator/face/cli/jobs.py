@@ -6,7 +6,9 @@ import argparse
 import json
 import os
 import shlex
+import uuid
 import time
+from typing import Any
 
 from rich.table import Table
 from rich.text import Text
@@ -18,6 +20,29 @@ from .follow import follow_embedded
 from .options import load_job, report_shell_env
 from .output import UsageError, console, emit_detail, err_console, print_json
 from .render import resume_preview_lines, start_checkpoint
+
+
+#: rows of the Nodes and Ranks tables ``orch plan`` prints (``--output json`` has them all)
+_SHOWN_ROWS = 64
+
+
+def _more(count: int, what: str) -> None:
+    if count > _SHOWN_ROWS:
+        console.print(f"  ... and {count - _SHOWN_ROWS} more {what} (orch plan --output json lists all {count})",
+                      highlight=False)
+
+
+def _print_nodes(plan: Any, interfaces: dict[int, str]) -> None:
+    """``orch plan``'s Nodes table (the first :data:`_SHOWN_ROWS`)."""
+    nodes = Table(title="Nodes", box=None, title_justify="left", pad_edge=False)
+    for col in ("node rank", "host", "slots", "global ranks", "metrics", "collectives' interface"):
+        nodes.add_column(col, overflow="fold")
+    for n in plan.nodes[:_SHOWN_ROWS]:
+        nodes.add_row(str(n.node_rank), n.host, ",".join(map(str, n.slots)),
+                      ",".join(str(r.global_rank) for r in n.ranks),
+                      f":{n.metrics_port}/metrics" if n.metrics_port else "-", interfaces[n.node_rank])
+    console.print(nodes)
+    _more(len(plan.nodes), "nodes")
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -36,14 +61,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     c.print(f"launcher {plan.launcher}, provisioner {plan.provisioner}, {len(plan.nodes)} node(s), "
             f"world size {plan.world_size}, master {plan.master_addr}:{plan.master_port}",
             markup=False, highlight=False)
-    nodes = Table(title="Nodes", box=None, title_justify="left", pad_edge=False)
-    for col in ("node rank", "host", "slots", "global ranks", "metrics", "collectives' interface"):
-        nodes.add_column(col, overflow="fold")
-    for n in plan.nodes:
-        nodes.add_row(str(n.node_rank), n.host, ",".join(map(str, n.slots)),
-                      ",".join(str(r.global_rank) for r in n.ranks),
-                      f":{n.metrics_port}/metrics" if n.metrics_port else "-", interfaces[n.node_rank])
-    c.print(nodes)
+    _print_nodes(plan, interfaces)
     pairs = plan.ranks()
     here = os.environ if plan.provisioner == "local" else {}  # local agents' node environment is this one
     envs = [_as_run(dict(r.env), here, n.host) for n, r in pairs]
@@ -59,13 +77,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
     ranks = Table(title="Ranks", box=None, title_justify="left", pad_edge=False)
     for col in ("rank", "node", "local rank", "slot", "rank's own environment", "command line"):
         ranks.add_column(col, overflow="fold")
-    for (n, r), env in zip(pairs, envs):
+    for (n, r), env in list(zip(pairs, envs))[:_SHOWN_ROWS]:
         own = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(env.items()) if k not in common)
         physical = devices.describe(here, [r.slot])
         slot = f"{r.slot} (device {physical[0]})" if physical else str(r.slot)
         ranks.add_row(str(r.global_rank), f"{n.host} ({n.node_rank})", str(r.local_rank), slot, own,
                       shlex.join(r.argv))
     c.print(ranks)
+    _more(len(pairs), "ranks")
     c.print(devices_line(plan, here), markup=False, highlight=False, soft_wrap=True)
     defaults = {k: v for n in plan.nodes for k, v in n.env_defaults.items()}
     if defaults:
@@ -223,7 +242,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
     if not url:
         raise UsageError(f"No orch server is running for state dir {state_dir_of(args)}. Start one with "
                          "`orch server`, or run the job in the foreground with `orch run`.")
-    detail = http_backend(args, url).submit(spec.to_dict(), str(args.spec))
+    key = args.idempotency_key or f"orch-submit-{uuid.uuid4()}"  # one per invocation: its retries are one submit
+    detail = http_backend(args, url).submit(spec.to_dict(), str(args.spec), key)
     report_shell_env(args)
     emit_detail(detail, args, f"Submitted job {detail['id']}")
     return 0

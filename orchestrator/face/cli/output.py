@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 from typing import Any
@@ -14,15 +15,29 @@ from rich.text import Text
 
 from ...errors import OrchError
 
-console = Console(width=None if sys.stdout.isatty() else 200)
+# markup off: host names, job names and paths are the user's text, and "node[/x]" is not a style tag
+console = Console(width=None if sys.stdout.isatty() else 200, markup=False)
 
 
-err_console = Console(stderr=True, width=None if sys.stderr.isatty() else 200)
+err_console = Console(stderr=True, width=None if sys.stderr.isatty() else 200, markup=False)
 
 
 STATE_STYLE = {"PENDING": "yellow", "PROVISIONING": "yellow", "RUNNING": "cyan", "SUCCEEDED": "green",
                 "FAILED": "bold red", "CANCELLED": "magenta", "running": "cyan", "exited": "green",
                 "failed": "bold red", "stopped": "magenta", "pending": "yellow", "not started": "dim"}
+
+
+#: Terminal control sequences a rank may print (CSI: colours, cursor moves, clearing; OSC: the window title,
+#: hyperlinks, the clipboard; DCS/APC/PM strings; other escapes), and control characters but tab and newline
+_CONTROL = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b[\]P^_X][^\x07\x1b]*(?:\x07|\x1b\\)?|\x1b[ -~]?|"
+                      r"[\x00-\x08\x0b-\x1f\x7f\x80-\x9f]")
+
+
+def printable(text: str) -> str:
+    """``text`` without terminal control sequences and control characters (tab and newline kept): what
+    ranks print reaches the user's terminal as text, never as commands to it (the log files keep the raw
+    bytes; ``--output json`` escapes them)."""
+    return _CONTROL.sub("", text)
 
 
 class UsageError(OrchError):

@@ -8,7 +8,7 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from .output import console, fmt_loss, styled
+from .output import console, fmt_loss, printable, styled
 
 
 def ranks_table(detail: dict) -> Table:
@@ -48,7 +48,7 @@ def cause_lines(detail: dict) -> list[str]:
     if tail:
         lines.append(f"last lines of rank {with_tail.get('global_rank')}'s log:")
         lines += [f"  | {ln}" for ln in tail[-10:]]
-    return lines
+    return [printable(line) for line in lines]
 
 
 def queue_line(detail: dict) -> str | None:

@@ -11,14 +11,24 @@ from rich.table import Table
 from rich.text import Text
 
 from .backends import pick_backend
-from .output import ago, console, print_json, styled
+from .output import ago, console, err_console, print_json, printable, styled
 from .render import cause_lines, checkpoint_lines, header_line, queue_line, ranks_table, start_checkpoint
 
 
+#: ``orch list --all``: every job (the API's cap on one page)
+ALL_JOBS = 1_000_000
+
+
 def cmd_list(args: argparse.Namespace) -> int:
-    jobs = pick_backend(args).list()
+    """The newest ``--limit`` jobs (``--all``: every one); says so when there are more."""
+    limit = ALL_JOBS if args.all else args.limit
+    jobs = pick_backend(args).list(limit + 1)
+    cut = len(jobs) > limit
+    jobs = jobs[:limit]
     if args.output == "json":
         print_json(jobs)
+        if cut:
+            err_console.print(f"(the newest {limit} jobs; there are more: --limit N or --all)", highlight=False)
         return 0
     if not jobs:
         console.print("No jobs yet. Run one with `orch run job.yaml`.")
@@ -31,6 +41,8 @@ def cmd_list(args: argparse.Namespace) -> int:
                   ",".join(j.get("nodes") or []), str(j.get("world_size") or "-"), ago(j["updated_at"]),
                   j.get("cause_message") or "")
     console.print(t)
+    if cut:
+        console.print(f"(the newest {limit} jobs; there are more: --limit N or --all)", highlight=False)
     return 0
 
 
@@ -92,5 +104,5 @@ def _write_lines(data: str, prefix: str, tail: int | None) -> None:
     lines = data.splitlines()
     if tail:
         lines = lines[-tail:]
-    sys.stdout.write("".join(f"{prefix}{ln}\n" for ln in lines))
+    sys.stdout.write("".join(f"{prefix}{printable(ln)}\n" for ln in lines))
     sys.stdout.flush()

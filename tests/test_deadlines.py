@@ -1,0 +1,212 @@
+"""The deadlines of a running attempt (orchestrator.supervision.watches.ProgressWatch) over an injected
+clock, and what a rank's stacks say it is doing (agents.stacks.summarize, over real py-spy dumps of
+real processes). The deadlines on real jobs: tests/test_hang.py and tests/test_faults.py."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from agents.stacks import dump_all, summarize
+from orchestrator.supervision.watches import ProgressWatch
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _watch(hang="auto", startup=None, floor=30.0):
+    clock = Clock()
+    w = ProgressWatch(hang, "/run", startup_timeout=startup, floor_s=floor, clock=clock)
+    w.watch([0, 1])
+    return w, clock
+
+
+def _steps(w, clock, upto, gap, ranks=(0, 1), start=1):
+    for step in range(start, upto + 1):
+        clock.t += gap
+        w.record([(r, {"step": step}) for r in ranks])
+
+
+def _dumped(w, summaries):
+    w.dumped(0, {"files": {}, "summaries": summaries})
+    return w.due()
+
+
+def test_startup_deadline_passes_only_before_any_step() -> None:
+    w, clock = _watch(startup=60)
+    clock.t += 59
+    assert w.stalled(set()) is None
+    clock.t += 2
+    cause = w.stalled(set())
+    assert cause["kind"] == "startup_timeout" and cause["ranks"] == [0, 1]
+    assert "no rank reported a first step within 60 s (startup_timeout)" in cause["message"]
+    w2, clock2 = _watch(startup=60)
+    clock2.t += 30
+    w2.record([(0, {"step": 0})])  # DeepSpeed's rank 0 says step=0 at initialize
+    clock2.t += 59
+    assert w2.stalled(set()) is None  # started: until a gap is seen, auto waits start-up's 60 s
+    clock2.t += 2
+    assert w2.stalled(set())["kind"] == "no_progress"
+    w3, clock3 = _watch(startup=None)
+    clock3.t += 10 ** 6
+    assert w3.stalled(set()) is None
+
+
+def test_auto_timeout_is_ten_times_the_longest_gap_never_under_the_floor() -> None:
+    w, clock = _watch(floor=30.0)
+    _steps(w, clock, 5, gap=1.0)
+    assert w.timeout() == 30.0
+    _steps(w, clock, 8, gap=5.0, start=6)
+    assert w.timeout() == 50.0
+    clock.t += 49
+    assert w.stalled(set()) is None
+    clock.t += 2
+    cause = w.stalled(set())
+    assert cause["kind"] == "no_progress" and cause["ranks"] == [0, 1]
+    assert "no rank passed step 8 for 50 s (hang_timeout auto)" in cause["message"]
+
+
+def test_auto_watches_only_ranks_that_stepped() -> None:
+    """A DeepSpeed script that prints step= on rank 0 only: rank 1 never reports, and is not a hang."""
+    w, clock = _watch(floor=10.0)
+    _steps(w, clock, 20, gap=0.5, ranks=(0,))
+    clock.t += 9
+    assert w.stalled(set()) is None
+    explicit, clock2 = _watch(hang=10.0)
+    _steps(explicit, clock2, 20, gap=0.5, ranks=(0,))
+    clock2.t += 11
+    assert explicit.stalled(set())["ranks"] == [1]  # a number watches every rank once any stepped
+
+
+def test_a_rank_that_exited_zero_or_said_final_is_not_a_hang() -> None:
+    w, clock = _watch(hang=2.0)
+    _steps(w, clock, 60, gap=0.1)
+    w.ended(0, 0)
+    clock.t += 100
+    assert w.stalled({0}) is None
+    w2, clock2 = _watch(hang=2.0)
+    _steps(w2, clock2, 59, gap=0.1)
+    clock2.t += 0.1
+    w2.record([(0, {"step": 60, "final": 1.0}), (1, {"step": 60, "final": 1.0})])
+    clock2.t += 100
+    assert w2.stalled(set()) is None
+
+
+def test_a_rank_found_exiting_gets_more_time_once_then_fails() -> None:
+    w, clock = _watch(hang=2.0)
+    _steps(w, clock, 10, gap=0.1)
+    clock.t += 3
+    cause = w.stalled(set())
+    w.await_stacks(cause, [0])
+    exiting = {"kind": "exiting", "doing": "exiting", "where": "upload (train.py:3)"}
+    verdict, data = _dumped(w, {"0": exiting, "1": exiting})
+    assert verdict == "dismissed" and data["more_seconds"] == ProgressWatch.GRACE_S
+    clock.t += ProgressWatch.GRACE_S - 1
+    assert w.stalled(set()) is None
+    clock.t += 2
+    cause = w.stalled(set())
+    w.await_stacks(cause, [0])
+    verdict, cause = _dumped(w, {"0": exiting, "1": exiting})
+    assert verdict == "fail" and "rank 0: exiting, at upload (train.py:3)" in cause["message"]
+
+
+def test_a_stuck_rank_is_named_with_what_it_is_stuck_in() -> None:
+    w, clock = _watch(hang=2.0)
+    _steps(w, clock, 30, gap=0.1)
+    clock.t += 3
+    cause = w.stalled(set())
+    w.await_stacks(cause, [0, 1])
+    w.dumped(0, {"files": {"0": "/run/logs/rank-0.stacks.txt"},
+                 "summaries": {"0": {"kind": "stuck", "doing": "in a collective (waiting for the other ranks)",
+                                     "where": "all_reduce (distributed_c10d.py:2501)"}}})
+    assert w.due() is None  # node 1 has not answered
+    w.dumped(1, {"files": {"1": "/run/logs/rank-1.stacks.txt"},
+                 "summaries": {"1": {"kind": None, "doing": None, "where": "hang_forever (train_gpt.py:88)"}}})
+    verdict, cause = w.due()
+    assert verdict == "fail" and cause["stacks"] == {"0": "/run/logs/rank-0.stacks.txt", "1": "/run/logs/rank-1.stacks.txt"}
+    assert ("(rank 0: in a collective (waiting for the other ranks), at all_reduce (distributed_c10d.py:2501); "
+            "rank 1: in hang_forever (train_gpt.py:88)); stacks of every rank in /run/logs") in cause["message"]
+
+
+def test_the_stacks_wait_is_bounded() -> None:
+    w, clock = _watch(hang=2.0)
+    _steps(w, clock, 3, gap=0.1)
+    clock.t += 3
+    w.await_stacks(w.stalled(set()), [0, 1])
+    assert w.due() is None
+    clock.t += ProgressWatch.STACKS_WAIT_S + 1
+    verdict, cause = w.due()
+    assert verdict == "fail" and "stacks unknown" in cause["message"]
+
+
+SCRIPT = textwrap.dedent("""
+    import atexit, sys, time
+    def save_checkpoint():
+        time.sleep(60)
+    def upload():
+        time.sleep(60)
+    def hang_forever():
+        time.sleep(60)
+    what = sys.argv[1]
+    if what == "exit":
+        atexit.register(upload)
+        print("ready", flush=True)
+        sys.exit(0)
+    print("ready", flush=True)
+    {"save": save_checkpoint, "hang": hang_forever}[what]()
+""")
+
+
+class _Proc:
+    def __init__(self, global_rank, pid):
+        self.global_rank, self.pid = global_rank, pid
+
+
+@pytest.mark.parametrize("what,kind,where", [("save", "saving", "save_checkpoint"), ("exit", "exiting", "upload"),
+                                             ("hang", None, "hang_forever"), ("stop", "stuck", None)])
+def test_real_dumps_say_what_the_main_thread_does(tmp_path, what, kind, where) -> None:
+    script = tmp_path / "rank.py"
+    script.write_text(SCRIPT)
+    proc = subprocess.Popen([sys.executable, str(script), "hang" if what == "stop" else what],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        time.sleep(0.3)
+        if what == "stop":
+            proc.send_signal(19)  # SIGSTOP
+        out = dump_all([_Proc(3, proc.pid)], str(tmp_path))["3"]
+    finally:
+        proc.send_signal(18)
+        proc.kill()
+        proc.wait()
+    assert out["kind"] == kind, out
+    assert (out["where"] or "").startswith(where or ""), out
+    assert (tmp_path / "rank-3.stacks.txt").read_text().startswith(f"stacks of rank 3 (pid {proc.pid})")
+    if what == "stop":
+        assert "stopped by a signal" in out["doing"]
+
+
+def test_summaries_of_known_places() -> None:
+    def dump(*frames: str) -> str:
+        return 'Thread 1 (idle): "MainThread"\n' + "".join(f"    {f}\n" for f in frames) + \
+            'Thread 2 (idle): "Thread-1"\n    run (threading.py:1)\n'
+    lock = summarize(dump("FileBaton.wait (file_baton.py:42)", "_jit_compile (cpp_extension.py:2100)",
+                          "load (builder.py:500)", "<module> (train.py:10)"))
+    assert lock["kind"] == "stuck" and "build lock" in lock["doing"] and lock["where"] == "FileBaton.wait (file_baton.py:42)"
+    rdv = summarize(dump("TCPStore.__init__ (x.py:1)", "init_process_group (distributed_c10d.py:1)",
+                         "main (train.py:5)", "<module> (train.py:9)"))
+    assert "rendezvous" in rdv["doing"]
+    shut = summarize(dump("_shutdown (threading.py:1590)"))
+    assert shut["kind"] == "exiting"
+    assert summarize("(py-spy failed: no such process)") == {"frames": [], "where": None, "doing": None, "kind": None}
+    module = summarize(dump("step (optim.py:3)", "_run_code (<frozen runpy>:88)", "_run_module_as_main (<frozen runpy>:198)"))
+    assert module["kind"] is None and module["where"] == "step (optim.py:3)"

@@ -1,0 +1,105 @@
+"""Faults against the attempt's deadlines, on real processes: jobs that finish with a slow exit are not
+taken for hung, a rank stuck before its first step (a torch extension build lock, in real DeepSpeed) fails
+start-up naming what it waits on, and a SIGSTOPped rank is named, SIGKILLed and costs no grace period."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+import helpers_train
+from conftest import ROOT, SCRIPTS, assert_no_leftovers, job_processes, wait_for
+
+pytestmark = pytest.mark.integration
+
+WORKER = str(SCRIPTS / "worker.py")
+EXAMPLES = ROOT / "examples"
+TINY = ["--n-layer", "1", "--d-model", "32", "--n-head", "2", "--seq-len", "32", "--corpus-bytes", "200000",
+        "--log-interval", "0", "--checkpoint-interval", "0"]
+
+
+def test_twenty_jobs_that_end_right_after_their_last_step_all_succeed(orch, server, write_spec, hostfile) -> None:
+    """hang_timeout 0.5 s, and after its last step every rank spends 2 s in an atexit handler (an upload
+    at exit): the watchdog fires in that time, the stacks show the ranks exiting, and they get more time."""
+    spec = write_spec(name="finish", hostfile=str(hostfile("a slots=1\nb slots=1\n")), entrypoint=WORKER,
+                      hang_timeout=0.5, stop_grace_seconds=2,
+                      env={"WORKER_STEPS": "10", "WORKER_STEP_S": "0.05", "WORKER_EXIT_S": "2"})
+    jobs = [orch.json("submit", str(spec))["id"] for _ in range(20)]
+    wait_for(lambda: all(orch.json("status", j)["state"] in ("SUCCEEDED", "FAILED") for j in jobs), 240,
+             "20 jobs ended", interval=1)
+    states = {j: orch.json("status", j) for j in jobs}
+    failed = {j: d["cause"] for j, d in states.items() if d["state"] != "SUCCEEDED"}
+    assert not failed, failed
+    dismissed = [j for j in jobs if orch.events(j, "hang_dismissed")]
+    assert dismissed, "the watchdog never fired: the test did not test the exit window"
+    for j in dismissed:
+        (e, *_) = orch.events(j, "hang_dismissed")
+        assert all("exiting" in (d or "") for d in e.data["doing"].values()), e.data
+    print(f"\n[finish] 20/20 SUCCEEDED; the watchdog fired in the exit window of {len(dismissed)} and was dismissed")
+    for j in jobs:
+        assert_no_leftovers(j, timeout=10)
+
+
+def test_a_build_lock_that_never_goes_fails_start_up_naming_it(orch, write_spec, hostfile, tmp_path) -> None:
+    """Real DeepSpeed ranks wait on the lock of the op every rank loads at start (deepspeed_shm_comm), in a
+    private extensions dir; the lock is young, so the preflight lets it be: start-up's deadline names it."""
+    helpers_train.prebuild_ops()
+    ext = Path(os.environ["TORCH_EXTENSIONS_DIR"])
+    private = tmp_path / "ext"
+    os.system(f"cp -a {ext} {private}")
+    locks = [p.parent / "lock" for p in private.rglob("build.ninja") if p.parent.name.startswith("deepspeed_shm_comm")]
+    assert locks, list(private.rglob("*"))[:20]
+    for lock in locks:
+        lock.write_text("")
+    startup = 25
+    spec = write_spec(name="lock", hostfile=str(hostfile("node-0 slots=1\nnode-1 slots=1\n")), workdir=str(EXAMPLES),
+                      entrypoint="train_gpt.py", args=["--steps", "20", *TINY],
+                      deepspeed_config=str(EXAMPLES / "ds_zero2.json"), startup_timeout=startup,
+                      env={"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "TORCH_EXTENSIONS_DIR": str(private)},
+                      stop_grace_seconds=3)
+    t0 = time.monotonic()
+    r = orch("run", str(spec), timeout=240)
+    took = time.monotonic() - t0
+    (job,) = orch.json("list")
+    detail = orch.json("status", job["id"])
+    cause = detail["cause"]
+    print(f"\n[startup] FAILED after {took:.1f} s (startup_timeout {startup} s): {cause['message']}")
+    assert r.returncode == 1 and cause["kind"] == "startup_timeout", cause
+    assert "no rank reported a first step within 25 s (startup_timeout)" in cause["message"]
+    assert "rank 0: waiting for a torch extension build lock" in cause["message"], cause["message"]
+    assert "rank 1: waiting for a torch extension build lock" in cause["message"], cause["message"]
+    assert set(cause["stacks"]) == {"0", "1"} and "FileBaton" in Path(cause["stacks"]["0"]).read_text()
+    assert_no_leftovers(job["id"], timeout=10)
+
+
+def test_a_stopped_rank_is_named_killed_at_once_and_costs_no_grace(orch, write_spec, hostfile, tmp_path) -> None:
+    """SIGSTOP one rank of a 2-node job (hang_timeout 3 s, grace 30 s): the cause says it is stopped, and
+    the attempt's processes are gone well within the grace period (SIGKILL for it, SIGCONT+SIGTERM for the rest)."""
+    ready = tmp_path / "ready"
+    spec = write_spec(name="stopped", hostfile=str(hostfile("a slots=1\nb slots=1\n")), entrypoint=WORKER,
+                      hang_timeout=3, stop_grace_seconds=30,
+                      env={"WORKER_STEPS": "100000", "WORKER_STEP_S": "0.05", "WORKER_READY_DIR": str(ready)})
+    proc = orch.popen("run", str(spec))
+    try:
+        wait_for(lambda: len(list(ready.glob("*.ready"))) == 2, 60, "2 ranks running")
+        (job,) = orch.json("list")
+        wait_for(lambda: all((r.get("step") or 0) > 3 for r in orch.json("status", job["id"])["ranks"]), 30, "steps")
+        rank1 = next(p for p in job_processes(job["id"]) if "worker.py" in " ".join(p.cmdline())
+                     and p.environ().get("RANK") == "1")
+        rank1.send_signal(signal.SIGSTOP)
+        t0 = time.monotonic()
+        out, _ = proc.communicate(timeout=60)
+        took = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    cause = orch.json("status", job["id"])["cause"]
+    print(f"\n[stopped] FAILED and every process gone {took:.1f} s after SIGSTOP: {cause['message']}")
+    assert cause["kind"] == "no_progress" and 1 in cause["ranks"], cause
+    assert "rank 1: stopped by a signal (SIGSTOP or SIGTSTP)" in cause["message"], cause["message"]
+    assert took < 3 + 10, took  # hang_timeout + dumps + stop, not the 30 s grace
+    assert_no_leftovers(job["id"], timeout=5)
