@@ -275,7 +275,7 @@ def test_passing_preflight_records_every_check_and_starts_the_ranks(orch, write_
     assert event["passed"] is True
     got = {(n["host"], c["name"]): c["status"] for n in event["nodes"] for c in n["checks"]}
     assert got == {(h, c): "passed" for h in ("node-0", "node-1") for c in
-                   ("python", "deepspeed", "workdir", "entrypoint", "checkpoint_dir", "network",
+                   ("python", "deepspeed", "workdir", "entrypoint", "checkpoint_dir", "network", "build_locks",
                     "shared_checkpoint_dir")} | {("node-0", "master_port"): "passed", ("node-1", "master_port"): "skipped"}
     details = {(n["host"], c["name"]): c["detail"] for n in event["nodes"] for c in n["checks"]}
     assert f"(Python {sys.version_info.major}.{sys.version_info.minor}." in details[("node-0", "python")]
