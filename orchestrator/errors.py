@@ -18,6 +18,7 @@ __all__ = [
     "PlanError",
     "LaunchError",
     "StateError",
+    "StoreFullError",
     "NotFoundError",
     "ProvisionError",
     "CheckpointError",
@@ -91,6 +92,11 @@ class LaunchError(OrchError):
 
 class StateError(OrchError):
     """An illegal job or attempt state transition was requested (see orchestrator.store.states)."""
+
+
+class StoreFullError(OrchError):
+    """The state database cannot be written: its disk is full (or fails). Reads still work; nothing
+    that was recorded is lost, and what could not be recorded is retried (docs/recovery.md)."""
 
 
 class NotFoundError(OrchError):

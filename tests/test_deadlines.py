@@ -11,7 +11,8 @@ import time
 
 import pytest
 
-from agents.stacks import dump_all, summarize
+from agents.stacks import dump_all, process_state, summarize
+from conftest import wait_for
 from orchestrator.supervision.watches import ProgressWatch
 
 
@@ -183,6 +184,7 @@ def test_real_dumps_say_what_the_main_thread_does(tmp_path, what, kind, where) -
         time.sleep(0.3)
         if what == "stop":
             proc.send_signal(19)  # SIGSTOP
+            wait_for(lambda: process_state(proc.pid) == "T", 10, "the rank stopped")
         out = dump_all([_Proc(3, proc.pid)], str(tmp_path))["3"]
     finally:
         proc.send_signal(18)

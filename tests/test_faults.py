@@ -103,3 +103,52 @@ def test_a_stopped_rank_is_named_killed_at_once_and_costs_no_grace(orch, write_s
     assert "rank 1: stopped by a signal (SIGSTOP or SIGTSTP)" in cause["message"], cause["message"]
     assert took < 3 + 10, took  # hang_timeout + dumps + stop, not the 30 s grace
     assert_no_leftovers(job["id"], timeout=5)
+
+
+@pytest.fixture()
+def small_disk(tmp_path):
+    """A 24 MiB tmpfs: the state dir of a server whose disk fills up."""
+    import subprocess
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m,mode=0700", "tmpfs", str(mount)], check=True)
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_a_full_disk_stops_the_attempt_honestly_and_records_it_once_there_is_room(small_disk, write_spec, hostfile,
+                                                                                   tmp_path) -> None:
+    """The state dir's disk fills mid-training: the ranks are stopped (nothing can be recorded), the API says
+    FAILED (store_full) with what is not recorded yet, a submit is 507 and the CLI says why, reads work;
+    once space is freed the store catches up by itself."""
+    import subprocess
+    from conftest import Orch, running_server
+    orch = Orch(small_disk / "state")
+    ready = tmp_path / "ready"
+    spec = write_spec(name="full", hostfile=str(hostfile("a slots=1\nb slots=1\n")), entrypoint=WORKER,
+                      stop_grace_seconds=2,
+                      env={"WORKER_STEPS": "1000000", "WORKER_STEP_S": "0.01", "WORKER_READY_DIR": str(ready)})
+    with running_server(orch) as (proc, url):
+        job = orch.json("submit", str(spec))["id"]
+        wait_for(lambda: len(list(ready.glob("*.ready"))) == 2, 60, "2 ranks running")
+        filler = small_disk / "filler"
+        subprocess.run(["dd", "if=/dev/zero", f"of={filler}", "bs=1M"], capture_output=True)
+        t0 = time.monotonic()
+        http = orch.http()
+        detail = wait_for(lambda: (lambda d: d if d["state"] == "FAILED" else None)(
+            http.get(f"{url}/api/jobs/{job}").json()), 120, "FAILED")
+        print(f"\n[disk full] attempt FAILED {time.monotonic() - t0:.1f} s after the disk filled: {detail['cause']['message']}")
+        assert detail["cause"]["kind"] == "store_full" and "cannot be written" in detail["cause"]["message"]
+        assert "not recorded yet" in detail["unrecorded"]
+        assert_no_leftovers(job, timeout=30)
+        r = orch("submit", str(spec))
+        assert r.returncode == 2 and "cannot be written" in r.stderr and "Traceback" not in r.stderr, r.stderr
+        assert orch("list").returncode == 0
+        assert proc.poll() is None
+        filler.unlink()
+        wait_for(lambda: orch.json("status", job)["state"] == "FAILED", 30, "the store to catch up")
+        stored = orch.json("status", job)
+        assert stored["cause"]["kind"] == "store_full" and stored["attempts"][0]["stopped_at"]
+        assert "unrecorded" not in http.get(f"{url}/api/jobs/{job}").json()

@@ -4,7 +4,8 @@ Every route but ``/login`` and ``/metrics`` needs the server's token (``Authoriz
 dashboard's cookie, and every request a Host header this server answers to (:mod:`.auth`).
 
 Routes (JSON in and out; errors are ``{"error": message, "kind": ErrorClass}`` with 400,
-404 for an unknown job, 409 for an illegal state change, 413 for a body over 8 MiB (:mod:`.limits`)):
+404 for an unknown job, 409 for an illegal state change, 413 for a body over 8 MiB (:mod:`.limits`), 507 when
+the state database cannot be written (a full disk; reads still work)):
 
 * ``GET  /api/health``                       liveness and the state directory
 * ``GET  /api/jobs``                         every job, newest first
@@ -38,7 +39,7 @@ from starlette.middleware.trustedhost import TrustedHostMiddleware
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from .. import __version__
-from ..errors import NotFoundError, OrchError, StateError
+from ..errors import NotFoundError, OrchError, StateError, StoreFullError
 from ..observe import job_detail, job_summary, read_log
 from ..spec import spec_from_dict
 from ..spec.files import MAX_DEPTH, json_depth
@@ -76,7 +77,8 @@ def create_app(controller: Controller, token: str, allowed_hosts: list[str], sec
 
 
 async def _orch_error(_request: Request, err: OrchError) -> JSONResponse:
-    status = 404 if isinstance(err, NotFoundError) else 409 if isinstance(err, StateError) else 400
+    status = 404 if isinstance(err, NotFoundError) else 409 if isinstance(err, StateError) else \
+        507 if isinstance(err, StoreFullError) else 400
     return JSONResponse({"error": str(err), "kind": type(err).__name__}, status_code=status)
 
 
@@ -88,6 +90,22 @@ async def _http_error(_request: Request, err: HTTPException) -> JSONResponse:
 
 async def _value_error(_request: Request, err: ValueError) -> JSONResponse:
     return JSONResponse({"error": str(err), "kind": "ValueError"}, status_code=400)
+
+
+def _submitted_spec(body: dict[str, Any]) -> Any:
+    """The spec of a submit's body, within the nesting cap."""
+    if json_depth(body) > MAX_DEPTH + 1:  # (+1: the body's own {"spec": ...})
+        raise ValueError(f"the submitted spec nests deeper than {MAX_DEPTH} levels, the most orch reads")
+    return spec_from_dict(body.get("spec"), source=str(body.get("source", "<submitted spec>")))
+
+
+def _detail(controller: Controller, job_id: str) -> dict[str, Any]:
+    """A job's detail; where the store is behind (a full disk), what its attempt really is, and why."""
+    detail = job_detail(controller.store, job_id)
+    known = controller.unrecorded(detail["id"])
+    if known:
+        detail.update(state=known["state"], cause=known["cause"] or detail.get("cause"), unrecorded=known["message"])
+    return detail
 
 
 def _idempotency_key(request: Request) -> str | None:
@@ -113,16 +131,12 @@ def _job_routes(controller: Controller) -> APIRouter:
 
     @api.post("")
     def submit(body: dict[str, Any], request: Request) -> dict[str, Any]:
-        if json_depth(body) > MAX_DEPTH + 1:  # (+1: the body's own {"spec": ...})
-            raise ValueError(f"the submitted spec nests deeper than {MAX_DEPTH} levels, the most orch reads")
-        key = _idempotency_key(request)
-        spec = spec_from_dict(body.get("spec"), source=str(body.get("source", "<submitted spec>")))
-        job = controller.submit(spec, key=key)
+        job = controller.submit(_submitted_spec(body), key=_idempotency_key(request))
         return job_detail(store, job.id)
 
     @api.get("/{job_id}")
     def get_job(job_id: str) -> dict[str, Any]:
-        return job_detail(store, job_id)
+        return _detail(controller, job_id)
 
     @api.post("/{job_id}/cancel")
     def cancel(job_id: str) -> dict[str, Any]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sqlite3
 import threading
 import time
@@ -20,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from ..errors import NotFoundError, StateError
+from ..errors import NotFoundError, StateError, StoreFullError
 from .ledger import LEDGER_SCHEMA, CheckpointLedger
 from .states import JobState, check_transition
 
@@ -195,6 +196,7 @@ class Store(CheckpointLedger):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.clock = clock
+        self.full = False  # opened on a full disk: it reads, and says so when written to
         self._lock = threading.RLock()
         try:
             self._db = sqlite3.connect(str(self.path), check_same_thread=False, isolation_level=None,
@@ -204,10 +206,24 @@ class Store(CheckpointLedger):
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.execute("PRAGMA foreign_keys=ON")
             self._db.executescript(_SCHEMA + LEDGER_SCHEMA)
+        except sqlite3.OperationalError as err:
+            if not is_full(err) or not hasattr(self, "_db") or not self._has_tables():
+                raise self._unusable(err) from err
+            self.full = True  # a schema update could not be written: reading what is there still works
         except sqlite3.DatabaseError as err:  # not a database, or one orch cannot write
-            raise StateError(f"Cannot use the state database {self.path}: {err}. It holds every job of this "
-                             "state dir: if it is damaged, move it away (jobs and logs under jobs/ stay) or use "
-                             "another --state-dir.") from err
+            raise self._unusable(err) from err
+
+    def _unusable(self, err: BaseException) -> StateError:
+        return StateError(f"Cannot use the state database {self.path}: {err}. It holds every job of this "
+                          "state dir: if it is damaged, move it away (jobs and logs under jobs/ stay) or use "
+                          "another --state-dir.")
+
+    def _has_tables(self) -> bool:
+        try:
+            return self._db.execute("SELECT COUNT(*) FROM sqlite_master WHERE name IN ('jobs', 'attempts', "
+                                    "'events')").fetchone()[0] == 3
+        except sqlite3.DatabaseError:
+            return False
 
     def close(self) -> None:
         """Close the connection."""
@@ -498,7 +514,33 @@ class _Tx:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         try:
-            self.store._db.execute("COMMIT" if exc_type is None else "ROLLBACK")
+            try:
+                self.store._db.execute("COMMIT" if exc_type is None else "ROLLBACK")
+            except sqlite3.OperationalError as err:
+                if not is_full(err):
+                    raise
+                self.store._db.execute("ROLLBACK") if self.store._db.in_transaction else None
+                raise full_error(self.store.path, err) from err
+            if exc_type is not None and isinstance(exc, sqlite3.OperationalError) and is_full(exc):
+                raise full_error(self.store.path, exc) from exc
         finally:
             self.store._lock.release()
+
+
+def is_full(err: BaseException) -> bool:
+    """Whether a database error is the disk refusing the write (full, or failing)."""
+    text = str(err).lower()
+    return "full" in text or "disk i/o error" in text or "no space" in text
+
+
+def full_error(path: Path, err: BaseException) -> StoreFullError:
+    """The error for a write the disk refused, naming the database and the free space left."""
+    try:
+        st = os.statvfs(path.parent)
+        free = f"{st.f_bavail * st.f_frsize / (1 << 20):.1f} MiB free"
+    except OSError:
+        free = "free space unknown"
+    return StoreFullError(f"The state database {path} cannot be written: {err} ({free} on its file system). "
+                          "Free space there; what was recorded is kept, reads work, and orch retries what it "
+                          "could not record.")
 

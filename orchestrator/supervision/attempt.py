@@ -31,7 +31,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..errors import OrchError
+from ..errors import OrchError, StoreFullError
 from ..observe import ControllerMetrics, TargetsWriter, attempt_targets
 from ..planning import JobPlan
 from ..provisioners import AgentHandle, Provisioner
@@ -107,6 +107,8 @@ class AttemptRun(AttemptMessages):
         self._failed_at: float | None = None
         self._tearing_down = False
         self._targets_written = False
+        self.cause: dict | None = None  # the attempt's end cause, as this thread knows it (recorded or not)
+        self.unrecorded: list[tuple] = []  # writes the store refused (disk full), replayed by _record_later
         self._thread = threading.Thread(target=self._main, name=f"attempt-{plan.attempt_id}", daemon=True)
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -126,6 +128,9 @@ class AttemptRun(AttemptMessages):
             self._provision()
             while not self.state.is_terminal():
                 self._turn()
+        except StoreFullError as err:  # progress, checkpoints, exits can no longer be recorded: stop
+            self._fail({"kind": "store_full", "message": f"the attempt was stopped: what its ranks do can no "
+                                                         f"longer be recorded. {err}"})
         except Exception as err:  # an orch bug must still leave nothing running
             self._log(traceback.format_exc())
             self._fail({"kind": "internal_error", "message": f"orch internal error: {err!r} "
@@ -266,11 +271,21 @@ class AttemptRun(AttemptMessages):
         return not self.state.is_terminal() and not self._tearing_down
 
     def _event(self, kind: str, data: dict) -> None:
-        self.store.add_event(self.job_id, self.plan.attempt, kind, data)
+        try:
+            self.store.add_event(self.job_id, self.plan.attempt, kind, data)
+        except StoreFullError:
+            self.unrecorded.append(("event", kind, data))
 
     def _set(self, state: JobState, cause: dict | None = None) -> None:
-        self.store.set_state(self.job_id, state, cause=cause)
+        """Change the job's state (the store's transition table applies); a disk that refuses the write
+        does not stop the attempt from acting on it: the write is replayed once it can be (:meth:`_record_later`)."""
+        try:
+            self.store.set_state(self.job_id, state, cause=cause)
+        except StoreFullError:
+            self.unrecorded.append(("state", state, cause))
         self.state = state
+        if cause is not None:
+            self.cause = cause
 
     def _fail(self, cause: dict) -> None:
         if self.state.is_terminal():
@@ -284,9 +299,12 @@ class AttemptRun(AttemptMessages):
             self._set(JobState.CANCELLED, {"kind": "cancelled", "message": self.cancel_reason})
 
     def _log(self, text: str) -> None:
-        os.makedirs(self.plan.run_dir, exist_ok=True)
-        with open(os.path.join(self.plan.run_dir, "controller.log"), "a") as f:
-            f.write(text + "\n")
+        try:
+            os.makedirs(self.plan.run_dir, exist_ok=True)
+            with open(os.path.join(self.plan.run_dir, "controller.log"), "a") as f:
+                f.write(text + "\n")
+        except OSError:
+            pass  # (a full disk: the log is lost, the attempt goes on)
 
     def _write_targets(self) -> None:
         """The attempt's Prometheus file_sd file: every node's exporter (see orchestrator.observe)."""
@@ -327,7 +345,7 @@ class AttemptRun(AttemptMessages):
         """Stop, kill, sweep (:class:`~.teardown.Teardown`); then release everything and record the end."""
         self._tearing_down = True
         try:
-            cause = self.store.get_job(self.job_id).cause or {}
+            cause = self.cause or self.store.get_job(self.job_id).cause or {}
             reason = cause.get("message", "attempt ended")
             hung = cause.get("ranks") or [] if cause.get("kind") in ("no_progress", "startup_timeout") else []
             teardown = Teardown(self.agents, self.node_state, self.heartbeats, self.provisioner, self._drain)
@@ -343,7 +361,7 @@ class AttemptRun(AttemptMessages):
 
     def _revise_cause(self, lost: set[int]) -> None:
         """Name a lost node as the root cause of a rank's failure on another node (:func:`~.teardown.root_cause`)."""
-        if self.state != JobState.FAILED or self._failed_at is None:
+        if self.state != JobState.FAILED or self._failed_at is None or self.unrecorded:
             return
         cause = self.store.get_job(self.job_id).cause or {}
         revised = root_cause(cause, lost, self.heartbeats, self._failed_at, {n.node_rank: n.host for n in self.plan.nodes})
@@ -357,10 +375,42 @@ class AttemptRun(AttemptMessages):
         if self._preflight is not None:  # tokens of agents that could not remove their own (where seen)
             shutil.rmtree(self._preflight.shared_dir, ignore_errors=True)
         self.lease.release()
-        self.store.mark_stopped(self.job_id, self.plan.attempt)
-        self.store.set_owner(self.job_id, None)
+        try:
+            if self.unrecorded:
+                raise StoreFullError("earlier writes are still to be recorded")
+            self.store.mark_stopped(self.job_id, self.plan.attempt)
+            self.store.set_owner(self.job_id, None)
+        except StoreFullError:
+            self.unrecorded += [("stopped",), ("owner",)]
+            threading.Thread(target=self._record_later, name=f"record-{self.plan.attempt_id}", daemon=True).start()
         try:
             self.services.on_ended(self)  # before done: whoever waits for the job sees a restart coming
         except Exception:  # noqa: BLE001 - the attempt must still end
             self._log(traceback.format_exc())
         self.done.set()
+
+    #: How long writes the store refused are retried, and how often (seconds).
+    RECORD_FOR_S, RECORD_EVERY_S = 3600.0, 2.0
+
+    def _record_later(self) -> None:
+        """Replay, in order, the writes a full disk refused (state changes, events, the stop, the owner),
+        every :data:`RECORD_EVERY_S` until they all went in or :data:`RECORD_FOR_S` passed. Meanwhile the
+        controller shows the attempt's own state (:meth:`~orchestrator.supervision.Controller.unrecorded`)."""
+        deadline = time.monotonic() + self.RECORD_FOR_S
+        while self.unrecorded and time.monotonic() < deadline:
+            try:
+                what = self.unrecorded[0]
+                if what[0] == "state":
+                    self.store.set_state(self.job_id, what[1], cause=what[2])
+                elif what[0] == "event":
+                    self.store.add_event(self.job_id, self.plan.attempt, what[1], what[2])
+                elif what[0] == "stopped":
+                    self.store.mark_stopped(self.job_id, self.plan.attempt)
+                else:
+                    self.store.set_owner(self.job_id, None)
+                self.unrecorded.pop(0)
+            except StoreFullError:
+                time.sleep(self.RECORD_EVERY_S)
+            except Exception:  # noqa: BLE001 - an illegal replay (the job moved on): drop it, say why
+                self._log(traceback.format_exc())
+                self.unrecorded.pop(0)

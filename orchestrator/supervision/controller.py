@@ -429,6 +429,17 @@ class Controller:
             time.sleep(0.1)
         return self.store.get_job(job.id)
 
+    def unrecorded(self, job_id: str) -> dict[str, Any] | None:
+        """What this controller knows of a job that its store could not record (a full disk): ``{"state",
+        "cause", "message"}`` of its attempt, or None when the store is up to date."""
+        with self._lock:
+            run = self._runs.get(job_id)
+        if run is None or not run.unrecorded:
+            return None
+        return {"state": run.state.value, "cause": run.cause,
+                "message": f"the state database cannot be written (disk full): {len(run.unrecorded)} change(s) of "
+                           f"attempt {run.plan.attempt} are not recorded yet and are retried; it is {run.state.value}"}
+
     def busy(self, job_id: str) -> bool:
         """Whether this controller runs an attempt of the job or will restart it."""
         if self.restarts.is_pending(job_id):

@@ -26,14 +26,18 @@ class StoreBackend:
 
     @property
     def store(self) -> Any:
-        from ...errors import NotFoundError
+        from ...errors import NotFoundError, StoreFullError
         from ...store import Store
         from ...supervision import recover_orphans
         if self._store is None:
             if not (self.state_dir / "orch.db").is_file():
                 raise NotFoundError(f"No jobs in state dir {self.state_dir} (nothing has run with it yet).")
             self._store = Store(self.state_dir / "orch.db")
-            recover_orphans(self._store)
+            try:
+                recover_orphans(self._store)
+            except StoreFullError as err:  # reading works all the same: say why nothing was marked
+                from .output import err_console
+                err_console.print(f"warning: {err}", highlight=False, soft_wrap=True)
         return self._store
 
     def list(self, limit: int = 1000) -> list[dict]:
