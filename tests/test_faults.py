@@ -148,7 +148,7 @@ def test_a_full_disk_stops_the_attempt_honestly_and_records_it_once_there_is_roo
         assert orch("list").returncode == 0
         assert proc.poll() is None
         filler.unlink()
-        wait_for(lambda: orch.json("status", job)["state"] == "FAILED", 30, "the store to catch up")
-        stored = orch.json("status", job)
+        stored = wait_for(lambda: (lambda d: d if d["state"] == "FAILED" and d["attempts"][0]["stopped_at"] else None)(
+            orch.json("status", job)), 30, "the store to catch up")
         assert stored["cause"]["kind"] == "store_full" and stored["attempts"][0]["stopped_at"]
         assert "unrecorded" not in http.get(f"{url}/api/jobs/{job}").json()
