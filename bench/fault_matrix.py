@@ -11,7 +11,10 @@ rank_crash          SIGKILL of global rank 1's process
 node_killed         SIGKILL of every process of host 1 (its sshd, agent and rank)
 network_cut         ``ip link set eth0 down`` in host 1's namespace (silence, no reset)
 hang                rank 1 sleeps forever before step 26's collectives (``--hang-at-step 25``)
+rank_stopped        SIGSTOP of global rank 1's process (it runs nothing, and ignores SIGTERM until SIGCONT)
 controller_killed   SIGKILL of ``orch server``, then a new ``orch server`` is started at once
+controller_stopped  SIGSTOP of ``orch server`` for 20 s (past the agents' 15 s lease), then SIGCONT
+agents_killed       SIGKILL of every node's agent at once (their ranks must not outlive them)
 save_crash          rank 1 SIGKILLs itself while step 30's checkpoint is written (``--crash-in-save-at-step``)
 ==================  ===========================================================================
 
@@ -59,7 +62,10 @@ from conftest import job_processes, wait_for  # noqa: E402
 from orchestrator.store import Store  # noqa: E402
 
 EXAMPLES = ROOT / "examples"
-FAULTS = ["rank_crash", "node_killed", "network_cut", "hang", "controller_killed", "save_crash"]
+FAULTS = ["rank_crash", "node_killed", "network_cut", "hang", "rank_stopped", "controller_killed",
+          "controller_stopped", "agents_killed", "save_crash"]
+#: seconds the controller_stopped fault keeps the server SIGSTOPped (past the agents' 15 s lease)
+STALL_S = 20
 TINY = ["--n-layer", "1", "--d-model", "32", "--n-head", "2", "--seq-len", "32", "--corpus-bytes", "200000",
         "--log-interval", "0"]
 STEPS, INTERVAL, FAULT_STEP, SAVE_CRASH_STEP = 60, 10, 25, 30
@@ -151,6 +157,13 @@ def _rank_process(job_id: str, rank: int) -> psutil.Process:
     raise LookupError(f"no process of rank {rank}")
 
 
+def _env(p: psutil.Process) -> dict[str, str]:
+    try:
+        return p.environ()
+    except psutil.Error:
+        return {}
+
+
 def _log_has(path: Path, needle: str) -> bool:
     try:
         return needle in path.read_text()
@@ -197,6 +210,20 @@ def run_fault(fault: str, net, work: Path) -> dict:
                 t_fault = time.time()
                 server.kill()
                 server.start()
+            elif fault == "controller_stopped":
+                t_fault = time.time()
+                server.proc.send_signal(signal.SIGSTOP)
+                time.sleep(STALL_S)
+                server.proc.send_signal(signal.SIGCONT)
+            elif fault == "rank_stopped":
+                victim = _rank_process(job_id, VICTIM)
+                t_fault = time.time()
+                victim.send_signal(signal.SIGSTOP)
+            elif fault == "agents_killed":
+                agents = [p for p in job_processes(job_id) if _env(p).get("ORCH_AGENT_ATTEMPT_ID") == f"{job_id}.1"]
+                t_fault = time.time()
+                for agent in agents:
+                    agent.send_signal(signal.SIGKILL)
             else:
                 raise ValueError(fault)
 

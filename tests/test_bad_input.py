@@ -69,6 +69,26 @@ def test_nul_bytes_are_refused_by_field(orch, tmp_path, hostfile) -> None:
         "env.BAD (line 5): contains a NUL byte" in r.stderr, r.stderr
 
 
+def test_deadlines_and_counts_say_what_they_take_in_one_line(orch, write_spec, hostfile) -> None:
+    for value in (0, -1, "abc", True, float("nan")):
+        spec = write_spec(hostfile=str(hostfile("a slots=1\n")), entrypoint=WORKER, hang_timeout=value)
+        r = _plan(orch, spec)
+        assert r.returncode == 2 and r.stderr.count("\n  ") == 1, r.stderr
+        assert "hang_timeout (line" in r.stderr and "expected seconds > 0 (at most 86400), auto or null" in r.stderr
+    spec = write_spec(hostfile=str(hostfile("a slots=1\n")), entrypoint=WORKER, num_nodes=True, startup_timeout=0)
+    r = _plan(orch, spec)
+    assert r.returncode == 2 and "num_nodes (line" in r.stderr and "got True" in r.stderr
+    assert "startup_timeout (line" in r.stderr and "expected seconds > 0 (at most 604800) or null" in r.stderr
+
+
+def test_a_bad_idempotency_key_is_refused_before_anything_is_sent(orch, write_spec, hostfile) -> None:
+    spec = write_spec(hostfile=str(hostfile("a slots=1\n")), entrypoint=WORKER)
+    for key in ("é", "a\nb", "", "k" * 201):
+        r = orch("submit", "--idempotency-key", key, str(spec))
+        assert r.returncode == 2 and "expected 1 to 200 printable ASCII characters" in r.stderr, (key, r.stderr)
+        assert "Traceback" not in r.stderr
+
+
 def test_slot_counts_past_any_machine_are_refused_quickly(orch, write_spec, hostfile) -> None:
     spec = write_spec(hostfile=str(hostfile("a slots=1000000\n")), entrypoint=WORKER)
     t0 = time.monotonic()
@@ -81,6 +101,7 @@ def test_a_big_plan_prints_a_page_and_says_how_to_see_all(orch, write_spec, host
     spec = write_spec(hostfile=str(hostfile("a slots=300\n")), entrypoint=WORKER)
     r = _plan(orch, spec)
     assert r.returncode == 0 and "... and 236 more ranks (orch plan --output json lists all 300)" in r.stdout
+    assert " 0-299 " in r.stdout  # the node's slots and ranks, as ranges
     assert len(orch.json("plan", str(spec))["nodes"][0]["ranks"]) == 300
 
 
@@ -135,6 +156,8 @@ def test_a_retried_submit_makes_one_job(orch, server, write_spec, hostfile) -> N
     again = orch.json("submit", "--idempotency-key", "k-1", str(spec))
     assert "id" in first and "id" in again, (first, again)
     assert first["id"] == again["id"] and len(orch.json("list")) == 1
+    after = orch.json("submit", str(spec), "--idempotency-key", "k-1")  # an option after the spec works too
+    assert after.get("id") == first["id"], after
     other = write_spec(hostfile=str(hostfile("a slots=1\n")), entrypoint=WORKER, env={"WORKER_STEPS": "2"})
     r = orch("submit", "--idempotency-key", "k-1", str(other))
     assert r.returncode == 2 and "was used for job" in r.stderr and "another spec" in r.stderr

@@ -54,9 +54,15 @@ def test_both_at_once_say_both_and_no_resume() -> None:
     assert not any("orch resume" in s for s in steps)
 
 
+def test_a_start_up_deadline_says_what_to_free_and_when_to_turn_it_off() -> None:
+    (step,) = next_steps(_detail("FAILED", {"kind": "startup_timeout"}))
+    assert "then: orch resume job-1" in step and "startup_timeout: null" in step
+    (step,) = next_steps(_detail("FAILED", {"kind": "store_full"}))
+    assert step == "free space on the state directory's disk (the cause names it), then: orch resume job-1"
+
+
 def test_other_failures_and_cancels_resume_from_the_last_checkpoint() -> None:
-    for kind in ("rank_exit", "no_progress", "startup_timeout", "agent_stopped", "controller_stalled", "controller_lost",
-                 "internal_error"):
+    for kind in ("rank_exit", "no_progress", "agent_stopped", "controller_stalled", "controller_lost", "internal_error"):
         (step,) = next_steps(_detail("FAILED", {"kind": kind}))
         assert step.startswith("resume from the last complete checkpoint: orch resume job-1"), kind
     (step,) = next_steps(_detail("CANCELLED", {"kind": "cancelled"}))

@@ -110,9 +110,9 @@ def _detail(controller: Controller, job_id: str) -> dict[str, Any]:
 
 def _idempotency_key(request: Request) -> str | None:
     """A submit's ``Idempotency-Key`` header (1 to 200 printable characters), None without one."""
-    key = request.headers.get("idempotency-key") or None
-    if key is not None and not (0 < len(key) <= 200 and key.isprintable()):
-        raise ValueError("the Idempotency-Key header must be 1 to 200 printable characters")
+    key = request.headers.get("idempotency-key")
+    if key is not None and not (0 < len(key) <= 200 and key.isascii() and key.isprintable()):
+        raise ValueError("the Idempotency-Key header must be 1 to 200 printable ASCII characters")
     return key
 
 

@@ -38,6 +38,12 @@ def next_steps(detail: dict[str, Any]) -> list[str]:
         return [f"resume without the lost node: orch resume {job} --exclude {hosts} (a spare host of the hostfile "
                 "takes its place; without one the job continues on the nodes left); once it is back, "
                 f"orch resume {job} uses it again"]
+    if kind == "startup_timeout":
+        return [f"free what the ranks wait on (named above: a build lock to delete, a master that is not up), then: "
+                f"orch resume {job}; if the script reports no step at all (no agents.report, no DeepSpeed engine, no "
+                "step=<n> line), run it with startup_timeout: null"]
+    if kind == "store_full":
+        return [f"free space on the state directory's disk (the cause names it), then: orch resume {job}"]
     if kind == "provision_failed":
         return _provision_steps(job, cause)
     if kind == "preflight_failed":

@@ -173,7 +173,7 @@ class JobSpec(BaseModel):
                               "the one the controller reaches the node at (127.0.0.1 for local agents); an IP "
                               "address; 0.0.0.0 (or ::) for every interface.")
     stop_grace_seconds: float = Field(10.0, gt=0, le=3600)
-    hang_timeout: Annotated[float, Field(gt=0, le=86400)] | Literal["auto"] | None = Field(
+    hang_timeout: float | str | None = Field(
         "auto", description="Seconds without a new step on a rank (reported, or a step= log line) after which "
         "the attempt fails with 'no progress', every rank's stacks dumped first. auto: each rank from its own "
         "first step, 10x the longest step gap seen in the attempt, at least 300 s; a number: every rank once "
@@ -199,6 +199,24 @@ class JobSpec(BaseModel):
                                        "in into env when it submits the job; env's own values win.")
     prepend_python_bin: bool = Field(True, description="Put the directory of the ranks' Python (a "
                                      "virtualenv's bin) first on every rank's PATH, unless PATH already has it.")
+
+    @field_validator("hang_timeout", "startup_timeout", mode="before")
+    @classmethod
+    def _deadline(cls, v: Any, info: Any) -> Any:
+        most = 86400 if info.field_name == "hang_timeout" else 7 * 86400
+        words = f"seconds > 0 (at most {most}){', auto' if info.field_name == 'hang_timeout' else ''} or null"
+        if v is None or (v == "auto" and info.field_name == "hang_timeout"):
+            return v
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= most:  # (NaN fails too)
+            raise ValueError(f"expected {words}; got {v!r}")
+        return float(v)
+
+    @field_validator("num_nodes", "num_gpus", mode="before")
+    @classmethod
+    def _count(cls, v: Any) -> Any:
+        if isinstance(v, bool):  # YAML's true is not a count
+            raise ValueError(f"expected a whole number (-1: all); got {v!r}")
+        return v
 
     @field_validator("name")
     @classmethod

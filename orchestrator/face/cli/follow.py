@@ -95,10 +95,10 @@ def follow_plain(controller: Any, job_id: str, run: Any, args: argparse.Namespac
                     f"{ev.data.get('seconds', 0):.2f} s", ev.at)
             elif ev.kind == "hang_detected":
                 say(f"no progress on rank(s) {', '.join(map(str, ev.data.get('ranks', [])))}: dumping every rank's "
-                    "stacks, then failing the attempt", ev.at)
+                    "stacks to see what each is doing", ev.at)
             elif ev.kind == "startup_timeout_passed":
-                say("no rank reported a first step within startup_timeout: dumping every rank's stacks, then "
-                    "failing the attempt", ev.at)
+                say("no rank reported a first step within startup_timeout: dumping every rank's stacks to see "
+                    "what each waits on", ev.at)
             elif ev.kind == "hang_dismissed":
                 doing = "; ".join(f"rank {r}: {d}" for r, d in (ev.data.get("doing") or {}).items() if d)
                 say(f"not a hang: {doing or ev.data.get('why')}; {ev.data.get('more_seconds', 0):.0f} s more", ev.at)

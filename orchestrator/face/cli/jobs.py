@@ -32,14 +32,25 @@ def _more(count: int, what: str) -> None:
                       highlight=False)
 
 
+def _ranges(numbers: Any) -> str:
+    """``[0, 1, 2, 5, 7, 8]`` -> ``"0-2,5,7-8"``: a node's slots or ranks, short however many."""
+    out: list[str] = []
+    for n in numbers:
+        if out and int(out[-1].rsplit("-", 1)[-1]) == n - 1:
+            first = out[-1].split("-", 1)[0]
+            out[-1] = f"{first}-{n}"
+        else:
+            out.append(str(n))
+    return ",".join(out)
+
+
 def _print_nodes(plan: Any, interfaces: dict[int, str]) -> None:
     """``orch plan``'s Nodes table (the first :data:`_SHOWN_ROWS`)."""
     nodes = Table(title="Nodes", box=None, title_justify="left", pad_edge=False)
     for col in ("node rank", "host", "slots", "global ranks", "metrics", "collectives' interface"):
         nodes.add_column(col, overflow="fold")
     for n in plan.nodes[:_SHOWN_ROWS]:
-        nodes.add_row(str(n.node_rank), n.host, ",".join(map(str, n.slots)),
-                      ",".join(str(r.global_rank) for r in n.ranks),
+        nodes.add_row(str(n.node_rank), n.host, _ranges(n.slots), _ranges([r.global_rank for r in n.ranks]),
                       f":{n.metrics_port}/metrics" if n.metrics_port else "-", interfaces[n.node_rank])
     console.print(nodes)
     _more(len(plan.nodes), "nodes")
@@ -238,11 +249,14 @@ def cmd_resume(args: argparse.Namespace) -> int:
 
 def cmd_submit(args: argparse.Namespace) -> int:
     spec = load_job(args)
+    key = args.idempotency_key
+    if key is not None and not (0 < len(key) <= 200 and key.isascii() and key.isprintable()):
+        raise UsageError(f"--idempotency-key {key!r}: expected 1 to 200 printable ASCII characters.")
     url = find_server(args)
     if not url:
         raise UsageError(f"No orch server is running for state dir {state_dir_of(args)}. Start one with "
                          "`orch server`, or run the job in the foreground with `orch run`.")
-    key = args.idempotency_key or f"orch-submit-{uuid.uuid4()}"  # one per invocation: its retries are one submit
+    key = key or f"orch-submit-{uuid.uuid4()}"  # one per invocation: its own retries are one submit
     detail = http_backend(args, url).submit(spec.to_dict(), str(args.spec), key)
     report_shell_env(args)
     emit_detail(detail, args, f"Submitted job {detail['id']}")

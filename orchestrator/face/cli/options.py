@@ -136,6 +136,8 @@ def load_job(args: argparse.Namespace) -> Any:
         p = argparse.ArgumentParser(prog=f"orch {args.command} SPEC", add_help=False)
         common_options(p, top=False)
         job_options(p, suppress=True)
+        if getattr(args, "command", None) == "submit":
+            p.add_argument("--idempotency-key", default=argparse.SUPPRESS)
         extra, unknown = p.parse_known_args(rest, namespace=args)
         if unknown:
             raise UsageError(f"Unexpected arguments after the job spec {args.spec}: {' '.join(unknown)}. Put the "

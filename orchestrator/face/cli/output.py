@@ -29,7 +29,7 @@ STATE_STYLE = {"PENDING": "yellow", "PROVISIONING": "yellow", "RUNNING": "cyan",
 
 #: Terminal control sequences a rank may print (CSI: colours, cursor moves, clearing; OSC: the window title,
 #: hyperlinks, the clipboard; DCS/APC/PM strings; other escapes), and control characters but tab and newline
-_CONTROL = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b[\]P^_X][^\x07\x1b]*(?:\x07|\x1b\\)?|\x1b[ -~]?|"
+_CONTROL = re.compile(r"(?:\x1b\[|\x9b)[0-?]*[ -/]*[@-~]|\x1b[\]P^_X][^\x07\x1b]*(?:\x07|\x1b\\)?|\x1b[ -~]?|"
                       r"[\x00-\x08\x0b-\x1f\x7f\x80-\x9f]")
 
 
