@@ -35,9 +35,10 @@ def test_mapped_devices():
         mapped({"CUDA_VISIBLE_DEVICES": "0"}, {"CUDA_VISIBLE_DEVICES": "4,4"}, "n0")
 
 
-def _run(orch, write_spec, hostfile, tmp_path, **fields):
+def _run(orch, write_spec, hostfile, tmp_path, slots=2, **fields):
     out = tmp_path / "out"
-    spec = write_spec(name="dev", hostfile=str(hostfile("node-0 slots=2\nnode-1 slots=2\n")), entrypoint=str(PROBE),
+    hosts = hostfile(f"node-0 slots={slots}\nnode-1 slots={slots}\n")
+    spec = write_spec(name="dev", hostfile=str(hosts), entrypoint=str(PROBE),
                       env={"PROBE_OUT_DIR": str(out)}, stop_grace_seconds=5, **fields)
     r = orch("run", str(spec), "--output", "json", env={"CUDA_VISIBLE_DEVICES": "4,5"}, timeout=120)
     return r, out
@@ -64,7 +65,7 @@ def test_ranks_get_the_assigned_devices(orch, write_spec, hostfile, tmp_path, la
 
 @pytest.mark.integration
 def test_a_slot_past_the_assigned_devices_is_refused_before_anything_starts(orch, write_spec, hostfile, tmp_path):
-    r, out = _run(orch, write_spec, hostfile, tmp_path, num_gpus=3)
+    r, out = _run(orch, write_spec, hostfile, tmp_path, slots=4, num_gpus=3)  # the hostfile has them, the machine not
     err = " ".join(r.stderr.split())
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert "node-0 uses slot(s) 0,1,2, but CUDA_VISIBLE_DEVICES=4,5" in err and "2 device(s)" in err, err
