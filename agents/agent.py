@@ -555,7 +555,7 @@ def main() -> int:
     link_fd = os.dup(1)
     os.dup2(2, 1)  # stray prints go to the agent log, not into the message stream
     sys.stdout = os.fdopen(1, "w", buffering=1)
-    writer = MessageWriter(os.fdopen(link_fd, "wb", buffering=0))
+    writer = MessageWriter(os.fdopen(link_fd, "wb", buffering=0), background=True)  # never blocks the lease
     inbox: "queue.Queue[tuple[Any, dict]]" = queue.Queue()
     MessageReader(sys.stdin.buffer, name="controller-link", sink=inbox, tag="controller")
     from orchestrator import __version__
@@ -566,15 +566,17 @@ def main() -> int:
     first = before.wait()
     before.close()
     if first is None:
+        writer.close()  # (what waits is sent first)
         return 2
     become_subreaper()
-    agent = Agent(first, writer, inbox, base_env)
-    signal.signal(signal.SIGTERM, agent.on_signal)
-    signal.signal(signal.SIGINT, agent.on_signal)
-    signal.signal(signal.SIGHUP, agent.on_signal)
-    code = agent.run()
-    writer.close()
-    return code
+    try:
+        agent = Agent(first, writer, inbox, base_env)
+        signal.signal(signal.SIGTERM, agent.on_signal)
+        signal.signal(signal.SIGINT, agent.on_signal)
+        signal.signal(signal.SIGHUP, agent.on_signal)
+        return agent.run()
+    finally:
+        writer.close()  # what waits is sent first (10 s at most)
 
 
 if __name__ == "__main__":

@@ -58,16 +58,53 @@ def decode(line: bytes) -> dict[str, Any]:
 
 
 class MessageWriter:
-    """Thread-safe writer of messages to a binary stream; errors after close are ignored."""
+    """Thread-safe writer of messages to a binary stream; errors after close are ignored.
 
-    def __init__(self, stream: IO[bytes]) -> None:
+    Args:
+        stream: where the lines go.
+        background: write on a thread of its own, so ``send`` never blocks on a peer that does not read
+            (a controller stalled or suspended: the pipe, the SSH channel and the socket fill, and a
+            writer blocked in them could not keep its own deadlines, such as an agent's lease). At most
+            :data:`QUEUED` messages wait; past that, progress and heartbeats are dropped first (newer ones
+            follow), then any. :meth:`close` sends what is waiting, for ``close_timeout`` seconds at most.
+    """
+
+    #: Messages a background writer keeps waiting for a peer that does not read.
+    QUEUED = 10_000
+    #: Message types a full background queue drops first (each is superseded by the next).
+    SUPERSEDED = frozenset({"progress", "heartbeat"})
+
+    def __init__(self, stream: IO[bytes], background: bool = False) -> None:
         self._stream = stream
         self._lock = threading.Lock()
         self.closed = False
+        self.dropped = 0
+        self._queue: "queue.Queue[bytes | None] | None" = None
+        if background:
+            self._queue = queue.Queue(self.QUEUED)
+            self._thread = threading.Thread(target=self._drain, name="link-writer", daemon=True)
+            self._thread.start()
 
     def send(self, msg: dict[str, Any]) -> bool:
-        """Write ``msg`` and flush. Returns False if the stream is gone."""
+        """Write ``msg`` and flush (background: queue it). Returns False if the stream is gone."""
         data = encode(msg)
+        if self._queue is not None:
+            if self.closed:
+                return False
+            try:
+                self._queue.put_nowait(data)
+            except queue.Full:
+                self.dropped += 1  # the peer has not read for QUEUED messages: this one is lost
+                if msg.get("type") not in self.SUPERSEDED:
+                    try:
+                        self._queue.put(data, timeout=1.0)
+                        self.dropped -= 1
+                    except queue.Full:
+                        pass
+            return True
+        return self._write(data)
+
+    def _write(self, data: bytes) -> bool:
         with self._lock:
             if self.closed:
                 return False
@@ -79,8 +116,21 @@ class MessageWriter:
                 self.closed = True
                 return False
 
-    def close(self) -> None:
-        """Close the stream (the peer sees end-of-stream)."""
+    def _drain(self) -> None:
+        assert self._queue is not None
+        while True:
+            data = self._queue.get()
+            if data is None or not self._write(data):
+                return
+
+    def close(self, close_timeout: float = 10.0) -> None:
+        """Close the stream (the peer sees end-of-stream); a background writer first sends what waits."""
+        if self._queue is not None and not self.closed:
+            try:
+                self._queue.put(None, timeout=close_timeout)
+                self._thread.join(close_timeout)
+            except queue.Full:
+                pass
         with self._lock:
             self.closed = True
             try:

@@ -98,10 +98,14 @@ class Server:
             raise AssertionError(f"orch server did not answer within 120 s: "
                                f"{(self.state_dir.parent / 'server.log').read_text()[-2000:]}") from None
 
+    def headers(self) -> dict[str, str]:
+        """The server's token (``<state dir>/server.token``, made at its first start)."""
+        return {"Authorization": f"Bearer {(self.state_dir / 'server.token').read_text().strip()}"}
+
     def _up(self) -> bool:
         try:
-            return httpx.get(f"{self.url}/api/health", timeout=1).status_code == 200
-        except httpx.HTTPError:
+            return httpx.get(f"{self.url}/api/health", headers=self.headers(), timeout=1).status_code == 200
+        except (httpx.HTTPError, OSError):
             return False
 
     def kill(self) -> None:
@@ -116,7 +120,9 @@ class Server:
 
 def _spec(net, work: Path, fault: str) -> dict:
     p = net.client_params()
-    args = ["--steps", str(STEPS), "--checkpoint-interval", str(INTERVAL), *TINY]
+    # the stall must outlast the agents' lease while training still runs: a longer job for it
+    steps, interval = (3000, 50) if fault == "controller_stopped" else (STEPS, INTERVAL)
+    args = ["--steps", str(steps), "--checkpoint-interval", str(interval), *TINY]
     if fault == "hang":
         args += ["--hang-at-step", str(FAULT_STEP), "--hang-rank", str(VICTIM)]
     if fault == "save_crash":
@@ -178,7 +184,8 @@ def run_fault(fault: str, net, work: Path) -> dict:
     store: Store | None = None
     try:
         spec = _spec(net, work, fault)
-        r = httpx.post(f"{server.url}/api/jobs", json={"spec": spec, "source": "fault_matrix"}, timeout=60)
+        r = httpx.post(f"{server.url}/api/jobs", json={"spec": spec, "source": "fault_matrix"}, timeout=60,
+                       headers=server.headers())
         r.raise_for_status()
         job_id = r.json()["id"]
         store = Store(state_dir / "orch.db")
@@ -274,6 +281,14 @@ def run_fault(fault: str, net, work: Path) -> dict:
                 "reached_step": reached, "resumed_from": a2.resume_tag if a2 else None,
                 "steps_lost": reached - resumed, "leftovers": leftovers, "attempt1_gone_s": round(attempt1_gone_s, 1), "final_state": job.state.value,
                 "attempts": job.attempt, "cause": cause.get("kind")}
+    except AssertionError:  # say what the job went through, then fail the run
+        if store is not None:
+            for e in store.events(job_id):
+                print(f"  event {e.attempt} {e.kind} {json.dumps(e.data)[:300]}", file=sys.stderr)
+        print((work / "server.log").read_text()[-3000:], file=sys.stderr)
+        for log in sorted(work.rglob("agents/node-*.log")):
+            print(f"--- {log}:\n{log.read_text()[-2000:]}", file=sys.stderr)
+        raise
     finally:
         if store is not None:
             store.close()

@@ -24,9 +24,12 @@ class Clock:
         return self.t
 
 
-def _watch(hang="auto", startup=None, floor=30.0):
+def _watch(hang="auto", startup=None, floor=30.0, stall_gap=1e9):
+    """A watch over 2 ranks; the clock jumps between looks here, so the controller-stall allowance is off
+    unless ``stall_gap`` is given."""
     clock = Clock()
     w = ProgressWatch(hang, "/run", startup_timeout=startup, floor_s=floor, clock=clock)
+    w.STALL_GAP_S = stall_gap
     w.watch([0, 1])
     return w, clock
 
@@ -136,6 +139,18 @@ def test_a_stuck_rank_is_named_with_what_it_is_stuck_in() -> None:
     assert verdict == "fail" and cause["stacks"] == {"0": "/run/logs/rank-0.stacks.txt", "1": "/run/logs/rank-1.stacks.txt"}
     assert ("(rank 0: in a collective (waiting for the other ranks), at all_reduce (distributed_c10d.py:2501); "
             "rank 1: in hang_forever (train_gpt.py:88)); stacks of every rank in /run/logs") in cause["message"]
+
+
+def test_the_controllers_own_stall_is_not_a_hang() -> None:
+    w, clock = _watch(hang=2.0, stall_gap=ProgressWatch.STALL_GAP_S)
+    _steps(w, clock, 5, gap=0.1)
+    assert w.stalled(set()) is None
+    clock.t += 20  # the controller was SIGSTOPped: no look, no message, for 20 s
+    assert w.stalled(set()) is None
+    clock.t += 1.5
+    assert w.stalled(set()) is None
+    clock.t += 1
+    assert w.stalled(set())["kind"] == "no_progress"  # 2 s of silence after the stall
 
 
 def test_the_stacks_wait_is_bounded() -> None:

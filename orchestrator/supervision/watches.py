@@ -102,6 +102,9 @@ class ProgressWatch:
       final step (``report.step(..., final=True)``), and no rank is once any rank exited 0 (the job is
       finishing: ranks of one job end together).
 
+    The controller's own stall (a gap of more than :data:`STALL_GAP_S` between two looks) moves every
+    deadline by the gap, as :class:`HeartbeatWatch` does for node silence.
+
     An expiry has every node dump its ranks' stacks (:mod:`agents.stacks`); once all answered (or
     :data:`STACKS_WAIT_S` passed) :meth:`due` gives the verdict. A stalled rank whose main thread is
     exiting (past the script's main code) or saving a checkpoint is not hung: it is given
@@ -139,6 +142,7 @@ class ProgressWatch:
         self._finishing = False  # a rank exited 0
         self._longest_gap = 0.0
         self._started = 0.0
+        self._last_look: float | None = None
         self._hang: dict[str, Any] | None = None  # an expiry, waiting for the stack dumps
 
     @property
@@ -187,9 +191,10 @@ class ProgressWatch:
         Args:
             exited: global ranks that have exited (they are not watched).
         """
+        now = self.clock()
+        self._own_stall(now)
         if not self._steps or self._hang is not None or self._finishing:
             return None
-        now = self.clock()
         running = {r: v for r, v in self._steps.items() if r not in exited}
         steps = {r: v[0] for r, v in self._steps.items()}
         if all(v[0] is None for v in self._steps.values()):
@@ -219,6 +224,20 @@ class ProgressWatch:
             what = f"no rank passed step {low} for {how} (rank(s) {', '.join(map(str, behind))})"
         return {"kind": "no_progress", "ranks": behind, "steps": {str(r): steps[r] for r in running},
                 "message": f"no progress: {what}{self._stacks_note()}", "stacks": {}}
+
+    #: A gap between two looks longer than this is the controller's own stall (suspended, swapped out):
+    #: the ranks' silence in it is not theirs, so every deadline moves by the gap (seconds).
+    STALL_GAP_S = 2.0
+
+    def _own_stall(self, now: float) -> None:
+        last, self._last_look = self._last_look, now
+        gap = now - last if last is not None else 0.0
+        if gap <= self.STALL_GAP_S:
+            return
+        self._steps = {r: (step, moved + gap) for r, (step, moved) in self._steps.items()}
+        self._started += gap
+        if self._hang is not None:
+            self._hang["deadline"] += gap
 
     def _give_more(self, rank: int, seconds: float) -> None:
         """Move a rank's deadline (-1: start-up's) to ``seconds`` from now."""
