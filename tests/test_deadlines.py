@@ -105,6 +105,31 @@ def test_a_rank_that_exited_zero_or_said_final_is_not_a_hang() -> None:
     assert w2.stalled(set()) is None
 
 
+def test_ranks_still_running_long_after_one_finished_are_named() -> None:
+    w, clock = _watch(hang=2.0)
+    _steps(w, clock, 10, gap=0.1)
+    w.ended(0, 0)
+    clock.t += ProgressWatch.GRACE_S - 1
+    assert w.stalled({0}) is None
+    clock.t += 2
+    cause = w.stalled({0})
+    assert cause["kind"] == "no_progress" and cause["ranks"] == [1] and cause["finishing"]
+    assert "rank(s) 1 still running 300 s after rank 0 exited 0" in cause["message"]
+    w.await_stacks(cause, [0])
+    verdict, data = _dumped(w, {"1": {"kind": "saving", "doing": "saving a checkpoint", "where": "save (s.py:1)"}})
+    assert verdict == "dismissed"  # a final save on the last rank gets its time
+    clock.t += ProgressWatch.GRACE_S + 1
+    cause = w.stalled({0})
+    w.await_stacks(cause, [0])
+    verdict, cause = _dumped(w, {"1": {"kind": "exiting", "doing": "exiting", "where": "barrier (x.py:1)"}})
+    assert verdict == "fail" and "rank 1: exiting, at barrier (x.py:1)" in cause["message"]
+    off, clock2 = _watch(hang=None)
+    _steps(off, clock2, 10, gap=0.1)
+    off.ended(0, 0)
+    clock2.t += 10 ** 6
+    assert off.stalled({0}) is None  # hang_timeout null: never
+
+
 def test_a_rank_found_exiting_gets_more_time_once_then_fails() -> None:
     w, clock = _watch(hang=2.0)
     _steps(w, clock, 10, gap=0.1)

@@ -139,7 +139,8 @@ class ProgressWatch:
         self._extra: dict[int, float] = {}  # rank -> seconds added to its deadline (found exiting/saving)
         self._graces: dict[int, dict[str, int]] = {}  # rank -> {"exiting": n, "saving": n} given
         self._done: set[int] = set()  # ranks not watched: final step reported
-        self._finishing = False  # a rank exited 0
+        self._finishing = False  # a rank exited 0 ...
+        self._finished_rank, self._finishing_since = -1, 0.0  # ... this one, then
         self._longest_gap = 0.0
         self._started = 0.0
         self._last_look: float | None = None
@@ -180,9 +181,11 @@ class ProgressWatch:
                 self._done.add(rank)
 
     def ended(self, rank: int, returncode: int) -> None:
-        """A rank exited; one that exited 0 means the job is finishing: no rank is watched any more."""
-        if returncode == 0:
+        """A rank exited; one that exited 0 means the job is finishing: no rank's steps are watched any
+        more, but the others must exit within ``max(timeout, GRACE_S)`` of it."""
+        if returncode == 0 and not self._finishing:
             self._finishing = True
+            self._finished_rank, self._finishing_since = rank, self.clock()
 
     def stalled(self, exited: Collection[int]) -> dict[str, Any] | None:
         """The cause of a newly passed deadline, ``startup_timeout`` or ``no_progress`` (``ranks``, ``steps``,
@@ -193,8 +196,10 @@ class ProgressWatch:
         """
         now = self.clock()
         self._own_stall(now)
-        if not self._steps or self._hang is not None or self._finishing:
+        if not self._steps or self._hang is not None:
             return None
+        if self._finishing:
+            return self._not_finishing(now, exited)
         running = {r: v for r, v in self._steps.items() if r not in exited}
         steps = {r: v[0] for r, v in self._steps.items()}
         if all(v[0] is None for v in self._steps.values()):
@@ -236,13 +241,27 @@ class ProgressWatch:
             return
         self._steps = {r: (step, moved + gap) for r, (step, moved) in self._steps.items()}
         self._started += gap
+        self._finishing_since += gap
         if self._hang is not None:
             self._hang["deadline"] += gap
 
+    def _not_finishing(self, now: float, exited: Collection[int]) -> dict[str, Any] | None:
+        """Ranks still running ``max(timeout, GRACE_S)`` after one exited 0 (none with no watchdog)."""
+        limit = max(self.timeout() or 0.0, self.GRACE_S)
+        left = sorted(r for r in self._steps if r not in exited)
+        if not self.timeout() or not left or now - self._finishing_since <= limit:
+            return None
+        return {"kind": "no_progress", "ranks": left, "steps": {str(r): v[0] for r, v in self._steps.items()},
+                "finishing": True, "stacks": {},
+                "message": f"no progress: rank(s) {', '.join(map(str, left))} still running {limit:g} s after rank "
+                           f"{self._finished_rank} exited 0 (the ranks of a job finish together){self._stacks_note()}"}
+
     def _give_more(self, rank: int, seconds: float) -> None:
-        """Move a rank's deadline (-1: start-up's) to ``seconds`` from now."""
+        """Move a rank's deadline (-1: start-up's, -2: the finishing ranks') to ``seconds`` from now."""
         now = self.clock()
-        if rank == -1:
+        if rank == -2:
+            self._finishing_since = now + seconds - max(self.timeout() or 0.0, self.GRACE_S)
+        elif rank == -1:
             self._extra[-1] = now + seconds - self._started - (self.startup_timeout or 0.0)
         else:
             self._extra[rank] = now + seconds - self._steps[rank][1] - (self.timeout() or 0.0)
@@ -272,17 +291,18 @@ class ProgressWatch:
             return None
         hang, self._hang = self._hang, None
         cause, summaries = hang["cause"], hang["summaries"]
-        if self._finishing:
+        if self._finishing and not cause.get("finishing"):
             return "dismissed", {"ranks": cause["ranks"], "doing": {}, "more_seconds": 0.0,
                                  "why": "a rank exited 0: the job is finishing"}
         kinds = {r: (summaries.get(str(r)) or {}).get("kind") for r in cause["ranks"]}
         more = max(self.timeout() or 0.0, self.GRACE_S)
-        allowed = {"exiting": 1, "saving": self.SAVE_GRACES}
-        if all(k in allowed and self._graces.get(r, {}).get(k, 0) < allowed[k] for r, k in kinds.items()):
+        allowed = {"saving": self.SAVE_GRACES} if cause.get("finishing") else {"exiting": 1, "saving": self.SAVE_GRACES}
+        if kinds and all(k in allowed and self._graces.get(r, {}).get(k, 0) < allowed[k] for r, k in kinds.items()):
             for r, k in kinds.items():
                 self._graces.setdefault(r, {}).setdefault(k, 0)
                 self._graces[r][k] += 1
-                self._give_more(-1 if cause["kind"] == "startup_timeout" else r, more)
+                self._give_more(-2 if cause.get("finishing") else -1 if cause["kind"] == "startup_timeout" else r,
+                                more)
             return "dismissed", {"ranks": cause["ranks"], "more_seconds": more,
                                  "doing": {str(r): (summaries.get(str(r)) or {}).get("doing") for r in kinds}}
         stuck = []
