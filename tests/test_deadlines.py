@@ -40,6 +40,14 @@ def _steps(w, clock, upto, gap, ranks=(0, 1), start=1):
         w.record([(r, {"step": step}) for r in ranks])
 
 
+def _passes_at(w, clock, seconds, exited=frozenset()):
+    """Nothing passed 1 s before ``seconds`` from now; the cause 1 s after (None if still nothing)."""
+    clock.t += seconds - 1
+    assert w.stalled(set(exited)) is None
+    clock.t += 2
+    return w.stalled(set(exited))
+
+
 def _dumped(w, summaries):
     w.dumped(0, {"files": {}, "summaries": summaries})
     return w.due()
@@ -47,19 +55,13 @@ def _dumped(w, summaries):
 
 def test_startup_deadline_passes_only_before_any_step() -> None:
     w, clock = _watch(startup=60)
-    clock.t += 59
-    assert w.stalled(set()) is None
-    clock.t += 2
-    cause = w.stalled(set())
+    cause = _passes_at(w, clock, 60)
     assert cause["kind"] == "startup_timeout" and cause["ranks"] == [0, 1]
     assert "no rank reported a first step within 60 s (startup_timeout)" in cause["message"]
     w2, clock2 = _watch(startup=60)
     clock2.t += 30
     w2.record([(0, {"step": 0})])  # DeepSpeed's rank 0 says step=0 at initialize
-    clock2.t += 59
-    assert w2.stalled(set()) is None  # started: until a gap is seen, auto waits start-up's 60 s
-    clock2.t += 2
-    assert w2.stalled(set())["kind"] == "no_progress"
+    assert _passes_at(w2, clock2, 60)["kind"] == "no_progress"  # until a gap is seen, auto waits start-up's 60 s
     w3, clock3 = _watch(startup=None)
     clock3.t += 10 ** 6
     assert w3.stalled(set()) is None
@@ -71,10 +73,7 @@ def test_auto_timeout_is_ten_times_the_longest_gap_never_under_the_floor() -> No
     assert w.timeout() == 30.0
     _steps(w, clock, 8, gap=5.0, start=6)
     assert w.timeout() == 50.0
-    clock.t += 49
-    assert w.stalled(set()) is None
-    clock.t += 2
-    cause = w.stalled(set())
+    cause = _passes_at(w, clock, 50)
     assert cause["kind"] == "no_progress" and cause["ranks"] == [0, 1]
     assert "no rank passed step 8 for 50 s (hang_timeout auto)" in cause["message"]
 
@@ -109,10 +108,7 @@ def test_ranks_still_running_long_after_one_finished_are_named() -> None:
     w, clock = _watch(hang=2.0)
     _steps(w, clock, 10, gap=0.1)
     w.ended(0, 0)
-    clock.t += ProgressWatch.GRACE_S - 1
-    assert w.stalled({0}) is None
-    clock.t += 2
-    cause = w.stalled({0})
+    cause = _passes_at(w, clock, ProgressWatch.GRACE_S, exited={0})
     assert cause["kind"] == "no_progress" and cause["ranks"] == [1] and cause["finishing"]
     assert "rank(s) 1 still running 300 s after rank 0 exited 0" in cause["message"]
     w.await_stacks(cause, [0])
@@ -139,10 +135,7 @@ def test_a_rank_found_exiting_gets_more_time_once_then_fails() -> None:
     exiting = {"kind": "exiting", "doing": "exiting", "where": "upload (train.py:3)"}
     verdict, data = _dumped(w, {"0": exiting, "1": exiting})
     assert verdict == "dismissed" and data["more_seconds"] == ProgressWatch.GRACE_S
-    clock.t += ProgressWatch.GRACE_S - 1
-    assert w.stalled(set()) is None
-    clock.t += 2
-    cause = w.stalled(set())
+    cause = _passes_at(w, clock, ProgressWatch.GRACE_S)
     w.await_stacks(cause, [0])
     verdict, cause = _dumped(w, {"0": exiting, "1": exiting})
     assert verdict == "fail" and "rank 0: exiting, at upload (train.py:3)" in cause["message"]

@@ -46,7 +46,7 @@ from ..spec.files import MAX_DEPTH, json_depth
 from ..spec.secrets import redact, secret_values
 from ..supervision import Controller
 from .auth import AUDIT_FILE, TokenAuth
-from .limits import BodyLimit
+from .limits import MAX_LIST_JOBS, BodyLimit, idempotency_key_ok
 
 __all__ = ["WEB_DIR", "create_app"]
 
@@ -109,9 +109,9 @@ def _detail(controller: Controller, job_id: str) -> dict[str, Any]:
 
 
 def _idempotency_key(request: Request) -> str | None:
-    """A submit's ``Idempotency-Key`` header (1 to 200 printable characters), None without one."""
+    """A submit's ``Idempotency-Key`` header (:func:`.limits.idempotency_key_ok`), None without one."""
     key = request.headers.get("idempotency-key")
-    if key is not None and not (0 < len(key) <= 200 and key.isascii() and key.isprintable()):
+    if key is not None and not idempotency_key_ok(key):
         raise ValueError("the Idempotency-Key header must be 1 to 200 printable ASCII characters")
     return key
 
@@ -124,7 +124,7 @@ def _job_routes(controller: Controller) -> APIRouter:
     @api.get("")
     def list_jobs(limit: int = 100) -> list[dict[str, Any]]:
         out = []
-        for job in store.list_jobs(max(1, min(limit, 1_000_000))):
+        for job in store.list_jobs(max(1, min(limit, MAX_LIST_JOBS))):
             attempt = store.get_attempt(job.id, job.attempt) if job.attempt else None
             out.append(job_summary(job, attempt))
         return out

@@ -15,7 +15,16 @@ from typing import Any
 from ..spec.files import MAX_INPUT_BYTES
 from .auth import Receive, Scope, Send
 
-__all__ = ["BodyLimit"]
+__all__ = ["BodyLimit", "idempotency_key_ok", "MAX_LIST_JOBS"]
+
+#: The most jobs one ``GET /api/jobs`` lists (``orch list --all`` asks for this many).
+MAX_LIST_JOBS = 1_000_000
+
+
+def idempotency_key_ok(key: str) -> bool:
+    """Whether ``key`` may be a submit's idempotency key: 1 to 200 printable ASCII characters (it travels
+    as an HTTP header, so nothing else could)."""
+    return 0 < len(key) <= 200 and key.isascii() and key.isprintable()
 
 
 class BodyLimit:

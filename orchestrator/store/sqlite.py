@@ -196,7 +196,6 @@ class Store(CheckpointLedger):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.clock = clock
-        self.full = False  # opened on a full disk: it reads, and says so when written to
         self._lock = threading.RLock()
         try:
             self._db = sqlite3.connect(str(self.path), check_same_thread=False, isolation_level=None,
@@ -207,9 +206,10 @@ class Store(CheckpointLedger):
             self._db.execute("PRAGMA foreign_keys=ON")
             self._db.executescript(_SCHEMA + LEDGER_SCHEMA)
         except sqlite3.OperationalError as err:
+            # on a full disk a schema update cannot be written: what is there still reads, and a write
+            # raises StoreFullError (_Tx)
             if not is_full(err) or not hasattr(self, "_db") or not self._has_tables():
                 raise self._unusable(err) from err
-            self.full = True  # a schema update could not be written: reading what is there still works
         except sqlite3.DatabaseError as err:  # not a database, or one orch cannot write
             raise self._unusable(err) from err
 

@@ -103,13 +103,13 @@ def follow_plain(controller: Any, job_id: str, run: Any, args: argparse.Namespac
                 doing = "; ".join(f"rank {r}: {d}" for r, d in (ev.data.get("doing") or {}).items() if d)
                 say(f"not a hang: {doing or ev.data.get('why')}; {ev.data.get('more_seconds', 0):.0f} s more", ev.at)
             elif ev.kind == "restart_scheduled":
-                why = "the controller's own trouble, whatever the restart policy" if ev.data.get("controller_fault") \
-                    else "restart policy"
-                say(f"restart {ev.data['restart']}" + ("" if ev.data.get("controller_fault") else
-                                                       f" of {ev.data['max_restarts']}")
-                    + f" in {ev.data['in_seconds']:.0f} s"
-                    + (f" without {', '.join(ev.data['exclude_hosts'])}" if ev.data.get("exclude_hosts") else "")
-                    + f" ({why})", ev.at)
+                if ev.data.get("controller_fault"):
+                    which = f"restart {ev.data['restart']}"
+                    why = "the controller's own trouble, whatever the restart policy"
+                else:
+                    which, why = f"restart {ev.data['restart']} of {ev.data['max_restarts']}", "restart policy"
+                without = f" without {', '.join(ev.data['exclude_hosts'])}" if ev.data.get("exclude_hosts") else ""
+                say(f"{which} in {ev.data['in_seconds']:.0f} s{without} ({why})", ev.at)
             elif ev.kind == "checkpoint_marked_bad":
                 say(f"checkpoint {ev.data['tag']} marked bad: {ev.data['reason']}; no resume starts from it again "
                     "until it is saved again", ev.at)

@@ -15,6 +15,7 @@ from rich.text import Text
 
 from agents import devices
 
+from ..limits import idempotency_key_ok
 from .backends import StoreBackend, http_backend, find_server, pick_backend, state_dir_of
 from .follow import follow_embedded
 from .options import load_job, report_shell_env
@@ -250,7 +251,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
 def cmd_submit(args: argparse.Namespace) -> int:
     spec = load_job(args)
     key = args.idempotency_key
-    if key is not None and not (0 < len(key) <= 200 and key.isascii() and key.isprintable()):
+    if key is not None and not idempotency_key_ok(key):
         raise UsageError(f"--idempotency-key {key!r}: expected 1 to 200 printable ASCII characters.")
     url = find_server(args)
     if not url:

@@ -11,17 +11,14 @@ from rich.table import Table
 from rich.text import Text
 
 from .backends import pick_backend
+from ..limits import MAX_LIST_JOBS
 from .output import ago, console, err_console, print_json, printable, styled
 from .render import cause_lines, checkpoint_lines, header_line, queue_line, ranks_table, start_checkpoint
 
 
-#: ``orch list --all``: every job (the API's cap on one page)
-ALL_JOBS = 1_000_000
-
-
 def cmd_list(args: argparse.Namespace) -> int:
     """The newest ``--limit`` jobs (``--all``: every one); says so when there are more."""
-    limit = ALL_JOBS if args.all else args.limit
+    limit = MAX_LIST_JOBS if args.all else args.limit  # --all: every job (the API's cap on one page)
     jobs = pick_backend(args).list(limit + 1)
     cut = len(jobs) > limit
     jobs = jobs[:limit]
