@@ -38,8 +38,9 @@ import time
 from typing import Any
 
 from . import devices, network, stacks
+from .attach import AttachPoint, RelinkWriter
 from .adopted import SHIM, AdoptedRank, log_tail, write_plans, wrong_tool
-from .nodeenv import node_env
+from .nodeenv import node_env, rank_env, read_env_files
 from .link import MessageReader, MessageWriter
 from .ranks import RankProcess, become_subreaper, private_files, describe_returncode, kill_descendants, kill_marked, stop_all
 
@@ -91,6 +92,10 @@ class Agent:
         self._launcher_wait: float | None = None  # native, node 0: until when the tool may still run
         self._start_timeout = float((self.native or {}).get("start_timeout", 120.0))
         self._slurm_step = os.environ.get("ORCH_AGENT_SLURM_STEP") == "1"  # the slurm provisioner's agent
+        self.reattach_s = float(start.get("reattach_s") or 0)  # > 0: a closed link waits for a new one (agents.attach)
+        self._attach: AttachPoint | None = None
+        self._link_tag: Any = "controller"
+        self._detached_at: float | None = None
 
     # -- steps ------------------------------------------------------------------------------
 
@@ -104,6 +109,7 @@ class Agent:
         self._make_watch()
         if not self._start_ranks():
             return 1
+        self._listen()
         if self._watch is not None:
             self._watch.start()
         return self._supervise()
@@ -320,8 +326,7 @@ class Agent:
         """Tell the controller this node is alive, on a thread of its own so that nothing the
         main loop does (starting ranks, stopping them) delays a heartbeat."""
         while not self._finished.wait(self.heartbeat_s):
-            if not self.writer.send({"type": "heartbeat", "at": time.time()}):
-                return
+            self.writer.send({"type": "heartbeat", "at": time.time()})  # (a link re-attached later hears them)
 
     def _supervise(self) -> int:
         last_heard = time.monotonic()
@@ -333,14 +338,21 @@ class Agent:
                 kind = msg.get("type")
                 if kind == "stop":
                     return self._stop(msg.get("reason", "stop requested"), kill=msg.get("kill") or ())
-                if kind == "eof":
+                if kind == "eof" and self._attach is None:
                     return self._stop("controller went away (end of stream)", report=False)
+                if kind == "eof":  # ranks go on; a new controller may re-attach within reattach_s
+                    self._detached_at = self._detached_at or now
+                    self.writer.detach()
+                if kind == "relink":
+                    self._relink(msg)
                 if kind == "dump":
                     threading.Thread(target=self._dump_stacks, name="stack-dumps", daemon=True).start()
             if self._signalled is not None:
                 return self._stop_on_own(f"the agent received {signal.Signals(self._signalled).name}",
                                          taken=self._slurm_step and self._signalled == signal.SIGTERM)
-            if now - last_heard > self.lease_s:
+            if self._detached_at is not None and now - self._detached_at > self.reattach_s:
+                return self._stop_on_own(f"no controller re-attached within {self.reattach_s:.0f} s of the link closing")
+            if self._detached_at is None and now - last_heard > self.lease_s:
                 return self._stop_on_own(f"no word from the controller for {self.lease_s:.0f} s", lease=True)
             if self.native:
                 stopped = self._native_turn()
@@ -348,7 +360,7 @@ class Agent:
                     return stopped
             self._reap()
             self._send_progress(force=len(self.exited) == len(self.ranks))
-            if len(self.exited) == len(self.ranks) and self._announce is None:
+            if len(self.exited) == len(self.ranks) and self._announce is None and self._detached_at is None:
                 if self.launcher is not None and not self._launcher_ended():
                     continue
                 self._stop_watch()
@@ -357,10 +369,30 @@ class Agent:
                 return 0 if all(v == 0 for v in self.exited.values()) else 1
 
     def _next_message(self, timeout: float) -> dict | None:
+        """The next message of the controller linked now (or a new link), or None."""
         try:
-            return self.inbox.get(timeout=timeout)[1]
+            tag, msg = self.inbox.get(timeout=timeout)
         except queue.Empty:
             return None
+        return msg if tag in (self._link_tag, "attach") else None
+
+    def _listen(self) -> None:
+        """Listen for a new controller (``agents.attach``), when the plan asks for re-attach."""
+        if self.reattach_s > 0:
+            try:
+                self._attach = AttachPoint(self.attempt_id, self.node["node_rank"], self.inbox)
+            except OSError as err:
+                self.writer.send({"type": "warning", "message": f"{self.node['host']} cannot listen for a new "
+                                  f"controller ({err.strerror or err}): its ranks stop if this one goes"})
+
+    def _relink(self, msg: dict) -> None:
+        """A new controller linked: tell it the node's state, then what it missed."""
+        self._link_tag, detached, self._detached_at = msg["reader_tag"], self._detached_at, None
+        self.writer.relink(msg["writer"], {
+            "type": "attached", "host": self.node["host"], "pid": os.getpid(), "metrics_port": self.metrics_port,
+            "ranks": [{"global_rank": p.global_rank, "pid": p.pid} for p in self.ranks],
+            "exits": {str(k): v for k, v in self.exited.items()},
+            "detached_s": round(time.monotonic() - detached, 3) if detached else 0.0})
 
     def _reap(self) -> None:
         for proc in self.ranks:
@@ -415,6 +447,8 @@ class Agent:
         if all(p.poll() is not None for p in self.ranks if isinstance(p, RankProcess)):
             kill_descendants()  # orphans re-parented to this subreaper, then reap everything
         kill_marked(self.attempt_id, node_rank=self.node["node_rank"])
+        if self._attach is not None:
+            self._attach.close()
         self._store = None
         self._finished.set()
         if self._exporter is not None:
@@ -514,48 +548,13 @@ class _BeforeStart:
             self.preflight.cleanup()
 
 
-def read_env_files(files: dict[str, str], workdir: str, host: str) -> dict[str, str]:
-    """The spec's ``env_from_file`` read here: each file's text, less one trailing newline (``~`` and paths
-    relative to ``workdir`` taken on this node).
-
-    Raises:
-        ValueError: a file cannot be read (naming the variable, the path and why; never its content).
-    """
-    out = {}
-    for name, path in files.items():
-        full = os.path.join(workdir, os.path.expanduser(path))
-        try:
-            with open(full, encoding="utf-8") as f:
-                value = f.read(1 << 20)
-        except (OSError, UnicodeDecodeError) as err:
-            why = getattr(err, "strerror", None) or ("not UTF-8 text" if isinstance(err, UnicodeDecodeError) else err)
-            raise ValueError(f"env_from_file {name}: cannot read {full} on {host} ({why})") from None
-        out[name] = value[:-1] if value.endswith("\n") else value
-    return out
-
-
-def rank_env(base_env: dict[str, str], node: dict, rank: dict) -> dict[str, str]:
-    """A rank's environment: the node's, the launcher's defaults where unset, then the rank's own; and
-    the node plan's ``path_prepend`` (the ranks' Python's directory) first on ``PATH`` unless already on it."""
-    env = dict(base_env)
-    for key, value in (node.get("env_defaults") or {}).items():
-        env.setdefault(key, value)  # what the real launcher sets only where unset
-    env.update(rank.get("env") or {})
-    first = node.get("path_prepend")
-    if first:
-        path = env.get("PATH", os.defpath)
-        if first not in path.split(os.pathsep):
-            env["PATH"] = f"{first}{os.pathsep}{path}" if path else first
-    return env
-
-
 def main() -> int:
     """Entry point of ``python -m agents.agent``: serve one node over stdin/stdout."""
     private_files()  # the agent's logs and records: 0600; its ranks keep the user's umask
     link_fd = os.dup(1)
     os.dup2(2, 1)  # stray prints go to the agent log, not into the message stream
     sys.stdout = os.fdopen(1, "w", buffering=1)
-    writer = MessageWriter(os.fdopen(link_fd, "wb", buffering=0), background=True)  # never blocks the lease
+    writer = RelinkWriter(MessageWriter(os.fdopen(link_fd, "wb", buffering=0), background=True))  # never blocks
     inbox: "queue.Queue[tuple[Any, dict]]" = queue.Queue()
     MessageReader(sys.stdin.buffer, name="controller-link", sink=inbox, tag="controller")
     from orchestrator import __version__

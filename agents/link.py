@@ -10,16 +10,21 @@ Controller -> agent:
         agent exits if the controller is silent for ``lease_s``.
     ``preflight`` {phase: "list", shared: {dir, nonce}, expect: [node ranks]}: say which
         nodes' shared-storage tokens this node sees.
-    ``start`` {node, attempt_id, grace, heartbeat_s, lease_s}: the node's plan; start the ranks
-        (sent once every node passed its preflight).
+    ``start`` {node, attempt_id, grace, heartbeat_s, lease_s, reattach_s}: the node's plan; start the
+        ranks (sent once every node passed its preflight); ``reattach_s`` > 0: when the link closes, keep
+        the ranks running that long for a new controller (``agents.attach``).
     ``stop`` {reason}: stop every rank (SIGTERM, grace, SIGKILL), report, exit.
     ``ping`` {}: keeps the agent's lease alive.
+    ``attach`` {attempt_id, node_rank}: a new controller's first message on the agent's socket
+        (``agents.attach``), once the one that started it died.
 
 Agent -> controller:
     ``hello`` {host, pid, python}: the agent is up.
     ``preflight_result`` {phase: "check", checks: [{name, status, detail, seconds}], token, seconds}
         or {phase: "list", seen: [node ranks], problems, seconds}: a preflight phase's answer.
     ``started`` {ranks: [{global_rank, pid}]}: every rank of the node was started.
+    ``attached`` {host, pid, ranks, exits: {rank: returncode}, metrics_port, detached_s}: the answer to
+        ``attach``; what the agent kept while no controller was linked follows.
     ``spawn_failed`` {global_rank, error}: a rank could not be started.
     ``rank_exit`` {global_rank, returncode, how, at}: a rank ended.
     ``heartbeat`` {at, preflight?}: the agent is alive (every ``heartbeat_s`` seconds); during

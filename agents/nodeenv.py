@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from typing import Mapping
 
-__all__ = ["SLURM_STEP_VARS", "node_env"]
+__all__ = ["SLURM_STEP_VARS", "node_env", "rank_env", "read_env_files"]
 
 
 #: What an srun step sets about itself (the slurm provisioner's agent step), which the ranks must not
@@ -32,3 +32,38 @@ def node_env(environ: "os._Environ[str] | Mapping[str, str]") -> dict[str, str]:
     step = environ.get("ORCH_AGENT_SLURM_STEP") == "1"
     return {k: v for k, v in environ.items()
             if not k.startswith("ORCH_AGENT_") and not (step and k in SLURM_STEP_VARS)}
+
+
+def read_env_files(files: dict[str, str], workdir: str, host: str) -> dict[str, str]:
+    """The spec's ``env_from_file`` read here: each file's text, less one trailing newline (``~`` and paths
+    relative to ``workdir`` taken on this node).
+
+    Raises:
+        ValueError: a file cannot be read (naming the variable, the path and why; never its content).
+    """
+    out = {}
+    for name, path in files.items():
+        full = os.path.join(workdir, os.path.expanduser(path))
+        try:
+            with open(full, encoding="utf-8") as f:
+                value = f.read(1 << 20)
+        except (OSError, UnicodeDecodeError) as err:
+            why = getattr(err, "strerror", None) or ("not UTF-8 text" if isinstance(err, UnicodeDecodeError) else err)
+            raise ValueError(f"env_from_file {name}: cannot read {full} on {host} ({why})") from None
+        out[name] = value[:-1] if value.endswith("\n") else value
+    return out
+
+
+def rank_env(base_env: dict[str, str], node: dict, rank: dict) -> dict[str, str]:
+    """A rank's environment: the node's, the launcher's defaults where unset, then the rank's own; and
+    the node plan's ``path_prepend`` (the ranks' Python's directory) first on ``PATH`` unless already on it."""
+    env = dict(base_env)
+    for key, value in (node.get("env_defaults") or {}).items():
+        env.setdefault(key, value)  # what the real launcher sets only where unset
+    env.update(rank.get("env") or {})
+    first = node.get("path_prepend")
+    if first:
+        path = env.get("PATH", os.defpath)
+        if first not in path.split(os.pathsep):
+            env["PATH"] = f"{first}{os.pathsep}{path}" if path else first
+    return env

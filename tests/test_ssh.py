@@ -756,3 +756,39 @@ def test_cancel_stops_every_rank_on_every_host_within_the_grace_period(orch, wri
     assert detail["attempts"][0]["stopped_at"] is not None
     assert not any(_alive(p) for p in pids.values())
     _assert_hosts_clean(net3, timeout=1)
+
+
+# --------------------------------------------------------------------------- re-attach over SSH
+
+def test_a_killed_server_s_training_over_ssh_goes_on_under_the_next_server(orch, write_spec, hostfile, net3,
+                                                                           tmp_path) -> None:
+    """kill -9 of orch server mid-training on 3 hosts; the next server re-attaches over SSH (python -m
+    agents.attach on each host pipes the channel to the agent's socket): the same rank processes train on,
+    every step is logged once, one attempt, nothing left on any host."""
+    from conftest import running_server
+    spec = _train_spec(write_spec, hostfile, net3, tmp_path, steps=300, name="reattach")
+    with running_server(orch) as (server, _url):
+        job_id = orch.json("submit", str(spec))["id"]
+        run_dir = _wait_training(orch, job_id, 3, past=5)
+        pids = _started_pids(_store(orch), job_id)
+        server.send_signal(signal.SIGKILL)
+        server.wait(10)
+        killed = time.monotonic()
+        at_kill = min(_last_steps(run_dir, 3))
+    time.sleep(2)
+    assert all(_alive(p) for p in pids.values()), "a rank stopped while no controller ran"
+    with running_server(orch):
+        wait_for(lambda: any(e.kind == "reattached" for e in _store(orch).events(job_id)), 60, "the re-attach")
+        reattached = time.monotonic() - killed
+        assert all(_alive(p) for p in pids.values())
+        wait_for(lambda: orch.json("status", job_id)["state"] == "SUCCEEDED", 300, "the job to succeed")
+    detail = orch.json("status", job_id)
+    assert len(detail["attempts"]) == 1 and at_kill < 290
+    losses = _losses(run_dir)
+    assert sorted(losses) == [(r, s) for r in range(3) for s in range(1, 301)]  # each step once, none lost
+    kinds = [e.kind for e in _store(orch).events(job_id)]
+    assert kinds.count("agent_reattached") == 3 and "restart_scheduled" not in kinds
+    print(f"\n[ssh reattach] the next server re-attached to 3 hosts {reattached:.1f} s after kill -9 (2 s with no "
+          f"server); training went on from step {at_kill}, 300 of 300 steps once")
+    assert_no_leftovers(job_id)
+    _assert_hosts_clean(net3)

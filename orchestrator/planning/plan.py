@@ -284,6 +284,22 @@ class JobPlan:
             "resume_dir": self.resume_dir or self.checkpoint_dir,
         }
 
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "JobPlan":
+        """The plan :meth:`to_dict` wrote (the store's copy: a controller taking over a running attempt).
+
+        Raises:
+            KeyError, TypeError, ValueError: ``data`` is not such a plan.
+        """
+        nodes = tuple(NodePlan(**{**n, "slots": tuple(n["slots"]),
+                                  "ranks": tuple(RankPlan(**{**r, "argv": tuple(r["argv"])}) for r in n["ranks"])})
+                      for n in data["nodes"])
+        fields = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
+        fields.update(nodes=nodes, warnings=tuple(data.get("warnings") or ()),
+                      real_commands=tuple(RealCommand(c["where"], tuple(c["argv"]), c.get("env") or {})
+                                          for c in data.get("real_commands") or ()))
+        return cls(**fields)
+
 
 def orch_env(spec: JobSpec, inputs: PlanInputs, node_rank: int, host: str) -> dict[str, str]:
     """The ``ORCH_*`` variables every rank gets (documented in docs/contract.md)."""

@@ -21,7 +21,10 @@ from .local import LocalProvisioner
 if TYPE_CHECKING:
     from ..spec import JobSpec
 
-__all__ = ["AgentHandle", "Provisioner", "LocalProvisioner", "get_provisioner"]
+__all__ = ["AgentHandle", "Provisioner", "LocalProvisioner", "get_provisioner", "REATTACHING"]
+
+#: The provisioners whose running agents a new controller can take over (``Provisioner.reattaches``).
+REATTACHING = frozenset({"local", "ssh"})
 
 
 def get_provisioner(name: str, spec: "JobSpec | None" = None, look_only: bool = False) -> Provisioner:

@@ -7,6 +7,7 @@ import queue
 from abc import ABC, abstractmethod
 from typing import Any
 
+from ..errors import ProvisionError
 from ..planning import JobPlan, NodePlan, ResourcePool
 
 __all__ = ["AgentHandle", "Provisioner"]
@@ -22,6 +23,8 @@ class AgentHandle(ABC):
 
     node_rank: int
     host: str
+    #: the agent's process id on its node, where known (a re-attached agent's, from its ``attached``)
+    pid: int | None = None
 
     @abstractmethod
     def send(self, msg: dict[str, Any]) -> bool:
@@ -57,6 +60,8 @@ class Provisioner(ABC):
     max_parallel: int = 64
     #: the nodes were granted by a scheduler for this attempt alone (a restart asks for new ones)
     granted: bool = False
+    #: a new controller can take over this provisioner's running agents (:meth:`attach_agent`)
+    reattaches: bool = False
 
     def check(self, pool: ResourcePool) -> None:
         """Refuse, before anything starts, nodes that cannot be reached (or placed) as configured.
@@ -96,6 +101,17 @@ class Provisioner(ABC):
         Raises:
             ProvisionError: the agent could not be started (the message names the node).
         """
+
+    def attach_agent(self, node: NodePlan, plan: JobPlan,
+                     events: "queue.Queue[tuple[int, dict]]") -> AgentHandle:
+        """Link to the running agent of ``node`` that another controller started (``agents.attach``); the
+        ``attach`` request is sent, and the agent's ``attached`` answer will arrive on ``events``.
+
+        Raises:
+            ProvisionError: this provisioner cannot re-attach, or no agent of the attempt listens there.
+        """
+        raise ProvisionError(f"the {self.name} provisioner cannot re-attach to running agents",
+                             reason="cannot re-attach")
 
     def sweep(self, plan: JobPlan) -> list[int]:
         """Last-resort cleanup once every agent is gone; returns pids it had to kill."""

@@ -4,7 +4,8 @@ This is the embedded default, and how the tests run multinode jobs on one machin
 "node" of the hostfile gets its own agent process (its own session), which starts that
 node's ranks. The link is the agent's stdin/stdout pipes; the agent's stderr goes to
 ``<run_dir>/agents/node-<node rank>.log``. The agent's environment is the controller's,
-which is the node environment every rank's env is laid over.
+which is the node environment every rank's env is laid over. A new controller takes over a
+running agent through its socket (:class:`AttachedLocalAgent`, ``agents.attach``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ import subprocess
 import sys
 from typing import Any
 
+import psutil
+
+from agents.attach import open_link, socket_streams
 from agents.link import MessageReader, MessageWriter
 from agents.ranks import kill_marked, user_umask_env
 
@@ -70,10 +74,52 @@ class LocalAgent(AgentHandle):
         self.wait(5.0)
 
 
+class AttachedLocalAgent(AgentHandle):
+    """A local agent another controller started, linked through its socket (``agents.attach``)."""
+
+    def __init__(self, node: NodePlan, attempt_id: str, events: "queue.Queue[tuple[int, dict]]") -> None:
+        self.node_rank = node.node_rank
+        self.host = node.host
+        self.attempt_id = attempt_id
+        try:
+            self._sock = open_link(attempt_id, node.node_rank)
+        except OSError as err:
+            raise ProvisionError(f"cannot re-attach to the agent of node {node.node_rank} ({node.host}): "
+                                 f"{err.strerror or err} (it ended, or its window passed)",
+                                 reason=f"cannot re-attach: {err.strerror or err}") from err
+        reader, writer = socket_streams(self._sock)
+        self._writer = MessageWriter(writer)
+        self._reader = MessageReader(reader, name=f"agent-{node.node_rank}", sink=events, tag=node.node_rank)
+        self.pid: int | None = None  # the agent's, once it said ``attached``
+
+    def send(self, msg: dict[str, Any]) -> bool:
+        return self._writer.send(msg)
+
+    def close(self) -> None:
+        self._writer.close()
+
+    def wait(self, timeout: float) -> bool:
+        if self.pid is None:
+            return self._writer.closed
+        try:
+            psutil.Process(self.pid).wait(timeout)
+            return True
+        except psutil.NoSuchProcess:
+            return True
+        except psutil.TimeoutExpired:
+            return False
+
+    def kill(self) -> None:
+        kill_marked(self.attempt_id, node_rank=self.node_rank, key="ORCH_AGENT_ATTEMPT_ID",
+                    node_key="ORCH_AGENT_NODE_RANK")
+        kill_marked(self.attempt_id, node_rank=self.node_rank)
+
+
 class LocalProvisioner(Provisioner):
     """Starts ``python -m agents.agent`` per node, in its own session, with the controller's env."""
 
     name = "local"
+    reattaches = True
 
     def __init__(self, python: str | None = None) -> None:
         self.python = python or sys.executable
@@ -98,6 +144,11 @@ class LocalProvisioner(Provisioner):
                                  f"{err.strerror or err}.", reason=f"cannot start the agent: {err.strerror or err}") \
                 from err
         return LocalAgent(node, proc, events, log_path)
+
+    def attach_agent(self, node: NodePlan, plan: JobPlan,
+                     events: "queue.Queue[tuple[int, dict]]") -> AgentHandle:
+        """Connect to the node's agent socket on this machine (:class:`AttachedLocalAgent`)."""
+        return AttachedLocalAgent(node, plan.attempt_id, events)
 
     def sweep(self, plan: JobPlan) -> list[int]:
         """Kill every rank and agent of the attempt still on this machine (by their markers)."""

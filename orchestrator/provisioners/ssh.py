@@ -40,6 +40,7 @@ from typing import Any
 
 import paramiko
 
+from agents.attach import attach_request
 from agents.link import MessageReader, MessageWriter
 
 from ..errors import ProvisionError
@@ -250,6 +251,7 @@ class SSHProvisioner(Provisioner):
     """
 
     name = "ssh"
+    reattaches = True
 
     def __init__(self, options: SSHOptions | None = None, python: str | None = None) -> None:
         self.options = options or SSHOptions()
@@ -365,6 +367,32 @@ class SSHProvisioner(Provisioner):
                                  reason=f"cannot start the agent: {err}") from err
         return SSHAgent(node, t, client, channel, events, os.path.join(log_dir, f"node-{node.node_rank}.log"),
                         python, plan.attempt_id)
+
+    def attach_agent(self, node: NodePlan, plan: JobPlan,
+                     events: "queue.Queue[tuple[int, dict]]") -> AgentHandle:
+        """Link to the node's running agent: over a new SSH connection, ``python -m agents.attach`` pipes the
+        channel to the agent's socket, and the ``attach`` request goes first.
+
+        Raises:
+            ProvisionError: the node cannot be reached, or the bridge cannot be started there (a bridge that
+                finds no agent exits at once, which the attempt hears as its link closing).
+        """
+        t = self.target(node.host)
+        client = self._connect(t)
+        with self._lock:
+            self._clients[node.node_rank] = client
+        command = (f"cd / && exec {shlex.quote(self.python)} -u -m agents.attach {shlex.quote(plan.attempt_id)} "
+                   f"{node.node_rank}")
+        try:
+            channel = client.get_transport().open_session(timeout=t.timeout)
+            channel.exec_command(command)
+        except (OSError, paramiko.SSHException) as err:
+            raise ProvisionError(f"cannot re-attach to the agent on {t.host}: {err}",
+                                 reason=f"cannot re-attach: {err}") from err
+        agent = SSHAgent(node, t, client, channel, events,
+                         os.path.join(plan.run_dir, "agents", f"node-{node.node_rank}.log"), self.python, plan.attempt_id)
+        agent.send(attach_request(plan.attempt_id, node.node_rank))
+        return agent
 
     def sweep(self, plan: JobPlan) -> list[int]:
         """On every node still reachable, kill what the attempt left (``python -m agents.sweep``)."""

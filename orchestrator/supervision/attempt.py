@@ -29,7 +29,9 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 from ..errors import OrchError, StoreFullError
 from ..observe import ControllerMetrics, TargetsWriter, attempt_targets
@@ -77,10 +79,15 @@ class AttemptRun(AttemptMessages):
         plan: this attempt's plan.
         lease: the master port reservation, released at teardown.
         provisioner: starts the agents.
+        adopt: take over the running attempt a controller that died started (:meth:`_reattach`) instead of
+            starting one.
     """
 
+    #: How long every agent has to answer a new controller's ``attach`` (seconds).
+    REATTACH_TIMEOUT_S = 20.0
+
     def __init__(self, services: AttemptServices, spec: JobSpec, plan: JobPlan, lease: PortLease,
-                 provisioner: Provisioner) -> None:
+                 provisioner: Provisioner, adopt: bool = False) -> None:
         self.services = services
         self.store = services.store
         self.timings = services.timings
@@ -109,6 +116,9 @@ class AttemptRun(AttemptMessages):
         self._targets_written = False
         self.cause: dict | None = None  # the attempt's end cause, as this thread knows it (recorded or not)
         self.unrecorded: list[tuple] = []  # writes the store refused (disk full), replayed by _record_later
+        self.adopt = adopt
+        self._reattach_by: float | None = None  # adopting: when every agent must have answered
+        self.previous_server: str | None = None  # adopting: the URL of the server that died
         self._thread = threading.Thread(target=self._main, name=f"attempt-{plan.attempt_id}", daemon=True)
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -124,8 +134,11 @@ class AttemptRun(AttemptMessages):
 
     def _main(self) -> None:
         try:
-            self._set(JobState.PROVISIONING)
-            self._provision()
+            if self.adopt:
+                self._reattach()
+            else:
+                self._set(JobState.PROVISIONING)
+                self._provision()
             while not self.state.is_terminal():
                 self._turn()
         except StoreFullError as err:  # progress, checkpoints, exits can no longer be recorded: stop
@@ -153,11 +166,50 @@ class AttemptRun(AttemptMessages):
             return self._begin_preflight()
         self._send_start()
 
+    def _reattach(self) -> None:
+        """Take over the attempt a controller that died was running: link to every node's agent (its ranks
+        kept running: ``agents.attach``), in parallel; each answers ``attached`` (:meth:`_on_attached`) within
+        :data:`REATTACH_TIMEOUT_S`, else the attempt fails with ``controller_lost`` (and is restarted)."""
+        self.state = JobState.RUNNING  # as the store has it
+        self.node_state = {n.node_rank: "reattaching" for n in self.plan.nodes}
+        self._reattach_by = time.monotonic() + self.REATTACH_TIMEOUT_S
+        self.progress.watch(r.global_rank for _, r in self.plan.ranks())
+        failures: dict[int, str] = {}
+
+        def attach(node: Any) -> None:
+            try:
+                self.agents[node.node_rank] = self.provisioner.attach_agent(node, self.plan, self.events)
+            except OrchError as err:
+                failures[node.node_rank] = str(err)
+        with ThreadPoolExecutor(max(1, min(self.provisioner.max_parallel, len(self.plan.nodes)))) as pool:
+            list(pool.map(attach, self.plan.nodes))
+        self.heartbeats.expect(self.agents)
+        if failures:
+            self.node_state.update({n: "gone" for n in failures})
+            self._reattach_failed("; ".join(failures[n] for n in sorted(failures)))
+
+    def _reattach_failed(self, why: str) -> None:
+        self._fail({"kind": "controller_lost", "server": self.previous_server,
+                    "message": f"the controller running this job went away, and its "
+                    f"successor could not take over the running ranks: {why} (orch's own trouble: the job is "
+                    "restarted from its last checkpoint whatever its restart policy says)"})
+
+    def _check_reattach(self) -> None:
+        """Adopting: every agent answered by the deadline, or the attempt fails."""
+        if self._reattach_by is None or time.monotonic() < self._reattach_by:
+            return
+        self._reattach_by = None
+        late = [n for n, st in self.node_state.items() if st == "reattaching"]
+        if late and self._open():
+            self._reattach_failed(f"no answer within {self.REATTACH_TIMEOUT_S:.0f} s from the agent(s) on "
+                                  + ", ".join(f"{self._host(n)} (node {n})" for n in late))
+
     def _send_start(self) -> None:
         """Send every node its plan: the ranks start."""
         t = self.timings
+        reattach_s = t.reattach_s if self.provisioner.reattaches else 0.0
         start_msg = {"type": "start", "attempt_id": self.plan.attempt_id, "grace": self.plan.grace,
-                     "heartbeat_s": t.heartbeat_s, "lease_s": t.agent_lease_s}
+                     "heartbeat_s": t.heartbeat_s, "lease_s": t.agent_lease_s, "reattach_s": reattach_s}
         self.heartbeats.expect(n.node_rank for n in self.plan.nodes)
         for node in self.plan.nodes:
             self.agents[node.node_rank].send({**start_msg, "node": node.to_dict()})
@@ -175,6 +227,7 @@ class AttemptRun(AttemptMessages):
         self._check_heartbeats()
         self._check_progress()
         self._check_preflight()
+        self._check_reattach()
         self._ping()
 
     def _dispatch(self, node_rank: int, msg: dict) -> None:

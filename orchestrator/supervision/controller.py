@@ -9,6 +9,7 @@ finds where a resume starts (:mod:`.resume`), and fails the jobs of controllers 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import secrets
@@ -35,6 +36,7 @@ from ..store import JobRecord, JobState, Store, make_private
 from .attempt import AttemptRun, AttemptServices
 from .orphans import owner_alive, recover_orphans, waits_for_nodes
 from .ports import PortLease
+from .reattach import AliveFile, take_over
 from .messages import rank_log_tail
 from .prepare import pool_of, prepare_plan, resume_dir_of
 from .queued import QueuedAttempt, allocation_size
@@ -96,9 +98,13 @@ class Controller:
         self.store = Store(self.state_dir / "orch.db", clock)
         self.provisioner_factory = provisioner_factory
         self.timings = Timings.from_env(heartbeat_s, node_timeout_s, agent_lease_s)
+        if not owner_url:  # no successor takes over an `orch run`'s attempts: its agents stop with it
+            self.timings = dataclasses.replace(self.timings, reattach_s=0.0)
         proc = psutil.Process()
+        self.alive = AliveFile(self.state_dir, proc.pid) if owner_url else None
         self.owner = {"pid": proc.pid, "host": socket.gethostname(), "create_time": proc.create_time(),
-                      "url": owner_url}
+                      "url": owner_url, **({"reattach_s": self.timings.reattach_s, "alive": str(self.alive.path)}
+                                           if self.alive else {})}
         self.recover_every_s = recover_every_s
         self.metrics = ControllerMetrics(self.store)
         self.targets = TargetsWriter(Path(prometheus_targets).expanduser() if prometheus_targets
@@ -412,7 +418,8 @@ class Controller:
             self.store.request_cancel(job.id)
         else:  # its controller is gone (and with it the agents): sweep, then record
             queued = waits_for_nodes(self.store, job)
-            if job.attempt:
+            if job.attempt:  # (agents awaiting a new server, then their ranks)
+                kill_marked(f"{job.id}.{job.attempt}", key="ORCH_AGENT_ATTEMPT_ID")
                 kill_marked(f"{job.id}.{job.attempt}")
             self.store.set_state(job.id, JobState.CANCELLED, queued=queued,
                                  cause={"kind": "cancelled", "message": "cancelled by the user"})
@@ -494,7 +501,9 @@ class Controller:
         checkpoint once a server runs again. A killed ``orch run``'s job stays FAILED for
         ``orch resume``: nobody watches it any more. Returns the ids failed now.
         """
-        recovered = recover_orphans(self.store)
+        if self.owner.get("url") and not self._closed.is_set():
+            self._take_over()
+        recovered = recover_orphans(self.store, patient=not self.owner.get("url"))
         if self.owner.get("url") and not self._closed.is_set():
             for job_id in self.restarts.lost_server_jobs(recovered):
                 try:
@@ -503,6 +512,17 @@ class Controller:
                 except OrchError as err:
                     self.restarts.log_failure(job_id, f"cannot decide on a restart: {err}")
         return recovered
+
+    def _take_over(self) -> None:
+        """Supervise, without stopping a rank, the RUNNING attempts of servers that died (:mod:`.reattach`)."""
+        for job in self.store.active_jobs():
+            if owner_alive(job.owner) or self.active_run(job.id) is not None:
+                continue
+            run = take_over(self.store, job, self._services, self.owner, self.provisioner_factory)
+            if run is not None:
+                with self._lock:
+                    self._runs[job.id] = run
+                run.start()
 
     def close(self, cancel: bool = True, timeout: float = 60.0,
               reason: str = "cancelled: the controller running it shut down") -> None:
@@ -523,6 +543,8 @@ class Controller:
                 run.cancel(reason)
         for run in runs:
             run.done.wait(timeout)
+        if self.alive is not None:
+            self.alive.remove()
         self.store.close()
 
     # -- internals ----------------------------------------------------------------------------
@@ -544,6 +566,8 @@ class Controller:
     def _watch_requests(self) -> None:
         last_recover = time.monotonic()
         while not self._closed.wait(0.25):
+            if self.alive is not None:
+                self.alive.touch()
             if self.recover_every_s and time.monotonic() - last_recover > self.recover_every_s:
                 last_recover = time.monotonic()
                 try:

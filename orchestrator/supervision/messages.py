@@ -71,6 +71,23 @@ class AttemptMessages:
             self._write_targets()
             self.progress.watch(r.global_rank for _, r in self.plan.ranks())
 
+    def _on_attached(self, node_rank: int, msg: dict) -> None:
+        """An agent a dead controller started answered this one's ``attach``: its ranks ran on meanwhile
+        (``exits``: those that ended since, replayed as ``rank_exit``s); all answered: the attempt goes on."""
+        if self.node_state.get(node_rank) != "reattaching":
+            return
+        self.node_state[node_rank] = "running"
+        self.metrics_ports[node_rank] = msg.get("metrics_port")
+        self.agents[node_rank].pid = msg.get("pid")
+        self._event("agent_reattached", {"node_rank": node_rank, "host": self._host(node_rank), "pid": msg.get("pid"),
+                                         "ranks": msg.get("ranks", []), "detached_s": msg.get("detached_s")})
+        for rank, code in sorted((msg.get("exits") or {}).items()):
+            self._on_rank_exit(node_rank, {"global_rank": int(rank), "returncode": int(code)})
+        if not any(s == "reattaching" for s in self.node_state.values()):
+            self._reattach_by = None
+            self._event("reattached", {"nodes": len(self.node_state), "ranks": self.plan.world_size})
+            self._write_targets()
+
     def _on_progress(self, node_rank: int, msg: dict) -> None:
         rows = [(int(rank), p) for rank, points in (msg.get("points") or {}).items() if isinstance(points, list)
                 for p in points if isinstance(p, dict) and "step" in p]
@@ -80,6 +97,8 @@ class AttemptMessages:
 
     def _on_rank_exit(self, node_rank: int, msg: dict) -> None:
         rank, code = int(msg["global_rank"]), int(msg["returncode"])
+        if rank in self.exits:  # (told again by an agent that re-attached)
+            return
         self.exits[rank] = code
         self.progress.ended(rank, code)
         self._event("rank_exit", {"global_rank": rank, "node_rank": node_rank, "host": self._host(node_rank),
@@ -134,6 +153,11 @@ class AttemptMessages:
     def _on_eof(self, node_rank: int, msg: dict) -> None:
         if self.node_state.get(node_rank) in ("done", "stopped", "lost"):
             return
+        if self.node_state.get(node_rank) == "reattaching":
+            self.node_state[node_rank] = "gone"
+            why = self.agents[node_rank].diagnostics().strip().splitlines()
+            return self._reattach_failed(f"the link to the agent on {self._host(node_rank)} (node {node_rank}) "
+                                         f"closed before it answered{': ' + why[-1] if why else ''}")
         self.node_state[node_rank] = "gone"
         if self._open():
             self.services.metrics.failure_detected("node_lost", 0.0)  # the link closing is the news
@@ -168,6 +192,7 @@ class AttemptMessages:
         "hello": (_on_hello, False),
         "preflight_result": (_on_preflight_result, False),
         "started": (_on_started, False),
+        "attached": (_on_attached, False),
         "progress": (_on_progress, True),
         "rank_exit": (_on_rank_exit, True),
         "done": (_on_done, True),

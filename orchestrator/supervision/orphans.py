@@ -17,11 +17,12 @@ from agents.ranks import kill_marked
 
 from ..errors import StateError
 from ..store import JobState, Store
+from .reattach import awaiting_reattach
 
 __all__ = ["recover_orphans", "owner_alive", "waits_for_nodes"]
 
 
-def recover_orphans(store: Store) -> list[str]:
+def recover_orphans(store: Store, patient: bool = True) -> list[str]:
     """Fail every job whose controller died while it ran; return their ids.
 
     A job is orphaned when it is not terminal and the controller recorded as its owner is
@@ -30,12 +31,16 @@ def recover_orphans(store: Store) -> list[str]:
     the attempt's id is killed here. The job becomes FAILED with cause ``controller_lost``,
     so ``orch resume`` can continue it. Called by ``orch server`` at start and every few
     seconds, and by CLI commands that work on the state directory without a server.
+
+    ``patient``: leave alone a job whose ranks may still be taken over by a new server
+    (:func:`~.reattach.awaiting_reattach`); a server that just took over what it could is not.
     """
     recovered = []
     for job in store.active_jobs():
-        if owner_alive(job.owner):
+        if owner_alive(job.owner) or (patient and awaiting_reattach(job) > 0):
             continue
         if job.attempt:
+            kill_marked(f"{job.id}.{job.attempt}", key="ORCH_AGENT_ATTEMPT_ID")  # agents awaiting a successor
             kill_marked(f"{job.id}.{job.attempt}")
         server = (job.owner or {}).get("url")
         cause = {"kind": "controller_lost", "server": server,

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from agents import devices, network
-from agents.agent import rank_env
+from agents.nodeenv import rank_env
 
 from ..checkpoints.detect import detect_format, get_format
 from ..errors import FilterError, HostfileError, PlanError, SpecError
