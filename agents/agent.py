@@ -39,6 +39,7 @@ from typing import Any
 
 from . import devices, network, stacks
 from .attach import AttachPoint, RelinkWriter
+from .cgroups import AttemptCgroup
 from .adopted import SHIM, AdoptedRank, log_tail, write_plans, wrong_tool
 from .nodeenv import node_env, rank_env, read_env_files
 from .link import MessageReader, MessageWriter
@@ -96,6 +97,8 @@ class Agent:
         self._attach: AttachPoint | None = None
         self._link_tag: Any = "controller"
         self._detached_at: float | None = None
+        self._cgroup: AttemptCgroup | None = None
+        self._no_cgroup = ""  # why the ranks have no cgroup (agents.cgroups)
 
     # -- steps ------------------------------------------------------------------------------
 
@@ -223,6 +226,7 @@ class Agent:
 
     def _start_ranks(self) -> bool:
         log_dir = self.node["log_dir"]
+        self._cgroup, self._no_cgroup = AttemptCgroup.create(self.attempt_id, self.node["node_rank"])
         choice = self._choose_network()
         if self.native:
             return self._start_native(choice)
@@ -232,7 +236,7 @@ class Agent:
             return self._spawn_failed(str(err))
         for r, env in zip(self.node["ranks"], envs):
             proc = RankProcess(r["global_rank"], r["argv"], env, self.node["workdir"],
-                               os.path.join(log_dir, f"rank-{r['global_rank']}.log"))
+                               os.path.join(log_dir, f"rank-{r['global_rank']}.log"), cgroup=self._cgroup)
             try:
                 proc.start()
             except OSError as err:
@@ -241,7 +245,8 @@ class Agent:
                 return False
             self.ranks.append(proc)
         self.writer.send({"type": "started", "metrics_port": self.metrics_port, "network": choice.to_dict(),
-                          "ranks": [{"global_rank": p.global_rank, "pid": p.pid} for p in self.ranks]})
+                          "ranks": [{"global_rank": p.global_rank, "pid": p.pid} for p in self.ranks],
+                          "cgroup": self._cgroup.path if self._cgroup else None, "no_cgroup": self._no_cgroup})
         return True
 
     def _start_native(self, choice: network.Choice) -> bool:
@@ -267,7 +272,8 @@ class Agent:
             # marked with the attempt, not with this node: Hydra and srun pass their environment on to
             # every wrapper on every node, which a node's own sweep (ORCH_NODE_RANK) must not take for its own
             env = {**self.base_env, **command.get("env", {}), "ORCH_ATTEMPT_ID": self.attempt_id}
-            self.launcher = RankProcess(-1, argv, env, self.node["workdir"], os.path.join(log_dir, "launcher.log"))
+            self.launcher = RankProcess(-1, argv, env, self.node["workdir"], os.path.join(log_dir, "launcher.log"),
+                                        cgroup=self._cgroup)
             try:
                 self.launcher.start()
             except OSError as err:
@@ -444,6 +450,8 @@ class Agent:
     def _cleanup(self) -> None:
         for proc in [*self.ranks, *([self.launcher] if self.launcher else [])]:  # what a finished rank left
             proc.signal_group(signal.SIGKILL)
+        if self._cgroup is not None:
+            self._cgroup.kill()  # every process of the ranks, however far it went (agents.cgroups)
         if all(p.poll() is not None for p in self.ranks if isinstance(p, RankProcess)):
             kill_descendants()  # orphans re-parented to this subreaper, then reap everything
         kill_marked(self.attempt_id, node_rank=self.node["node_rank"])

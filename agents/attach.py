@@ -32,7 +32,7 @@ from typing import Any, Callable
 
 from .link import MessageReader, MessageWriter
 
-__all__ = ["attach_path", "AttachPoint", "RelinkWriter", "attach_request", "main"]
+__all__ = ["attach_dir", "attach_path", "private_dir", "AttachPoint", "RelinkWriter", "attach_request", "main"]
 
 #: Message types a detached agent does not keep (each is superseded by the next, or means nothing later).
 NOT_KEPT = frozenset({"heartbeat"})
@@ -50,7 +50,7 @@ def attach_path(attempt_id: str, node_rank: int) -> str:
     return os.path.join(attach_dir(), f"{digest}.sock")
 
 
-def _private_dir(path: str) -> None:
+def private_dir(path: str) -> None:
     """Create ``path`` 0700, or check that an existing one is ours and closed to others.
 
     Raises:
@@ -165,7 +165,7 @@ class AttachPoint:
         self.node_rank = int(node_rank)
         self.inbox = inbox
         self.path = attach_path(attempt_id, node_rank)
-        _private_dir(os.path.dirname(self.path))
+        private_dir(os.path.dirname(self.path))
         try:
             os.unlink(self.path)
         except FileNotFoundError:

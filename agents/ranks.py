@@ -20,7 +20,7 @@ import signal
 import subprocess
 import threading
 import time
-from typing import Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import psutil
 
@@ -157,11 +157,14 @@ class RankProcess:
         cwd: its working directory.
         log_path: file its merged stdout/stderr is appended to, created with parents.
         on_line: optional callback ``(global_rank, line: str)`` for every output line.
+        cgroup: an :class:`agents.cgroups.AttemptCgroup` the process joins before it runs (so every process
+            it starts is in it), or None.
     """
 
     def __init__(self, global_rank: int, argv: Sequence[str], env: Mapping[str, str], cwd: str,
-                 log_path: str, on_line: Callable[[int, str], None] | None = None) -> None:
+                 log_path: str, on_line: Callable[[int, str], None] | None = None, cgroup: Any = None) -> None:
         self.global_rank = global_rank
+        self.cgroup = cgroup  # an agents.cgroups.AttemptCgroup the process joins before it runs, or None
         self.argv = list(argv)
         self.env = dict(env)
         self.cwd = cwd
@@ -185,10 +188,18 @@ class RankProcess:
         self.popen = subprocess.Popen(
             self.argv, env=self.env, cwd=self.cwd, stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
-            preexec_fn=_die_with_parent, close_fds=True, umask=USER_UMASK)
+            preexec_fn=self._before_exec, close_fds=True, umask=USER_UMASK)
         self._reader = threading.Thread(target=self._copy_output, daemon=True,
                                         name=f"rank{self.global_rank}-output")
         self._reader.start()
+
+    def _before_exec(self) -> None:  # in the child, between fork and exec
+        _die_with_parent()
+        if self.cgroup is not None:
+            try:
+                self.cgroup.join()
+            except OSError:
+                pass  # (the other layers of cleanup remain)
 
     def _copy_output(self) -> None:
         assert self.popen is not None and self.popen.stdout is not None

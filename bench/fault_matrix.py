@@ -12,7 +12,7 @@ node_killed         SIGKILL of every process of host 1 (its sshd, agent and rank
 network_cut         ``ip link set eth0 down`` in host 1's namespace (silence, no reset)
 hang                rank 1 sleeps forever before step 26's collectives (``--hang-at-step 25``)
 rank_stopped        SIGSTOP of global rank 1's process (it runs nothing, and ignores SIGTERM until SIGCONT)
-controller_killed   SIGKILL of ``orch server``, then a new ``orch server`` is started at once
+controller_killed   SIGKILL of ``orch server``, then a new ``orch server`` is started at once (it re-attaches)
 controller_stopped  SIGSTOP of ``orch server`` for 20 s (past the agents' 15 s lease), then SIGCONT
 agents_killed       SIGKILL of every node's agent at once (their ranks must not outlive them)
 save_crash          rank 1 SIGKILLs itself while step 30's checkpoint is written (``--crash-in-save-at-step``)
@@ -22,7 +22,11 @@ and we measure, from the moment of the fault (wall clock):
 
 * **detected**: until the attempt is FAILED in the store (its state event);
 * **first step**: until the new attempt's first training step (the first progress point);
-* **steps lost**: the last step attempt 1 reached minus the step attempt 2 resumed from;
+  for ``controller_killed``, whose attempt is not failed but re-attached by the next server, until the
+  first step after the fault (``detected`` is then "-": nothing failed; ``reattached_s`` in the JSON:
+  until the next server had re-attached);
+* **steps lost**: the last step attempt 1 reached minus the step attempt 2 resumed from (re-attached:
+  the steps logged twice or never, counted from every rank's log);
 * **leftovers**: processes of the job (any attempt, any host) alive once the job SUCCEEDED
   and attempt 1's last process is gone (must be 0), plus when that was (a cut host's agent
   stops its rank only when the controller's lease, 15 s, runs out), the job's final state and
@@ -39,6 +43,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import socket
 import statistics
@@ -233,6 +238,8 @@ def run_fault(fault: str, net, work: Path) -> dict:
                     agent.send_signal(signal.SIGKILL)
             else:
                 raise ValueError(fault)
+        if fault == "controller_killed":
+            return _reattached(store, job_id, t_fault)
 
         gone, gone_at = threading.Event(), []
 
@@ -296,6 +303,25 @@ def run_fault(fault: str, net, work: Path) -> dict:
         net.reset()
 
 
+def _reattached(store: Store, job_id: str, t_fault: float) -> dict:
+    """The next server re-attached to the running attempt: when training was recorded again, the steps
+    logged twice or never by any rank, and what was left once the job ended."""
+    at = wait_for(lambda: next((e.at for e in store.events(job_id) if e.kind == "reattached"), None), 120,
+                  "the next server to re-attach")
+    first = wait_for(lambda: [p for p in store.progress(job_id, 1, limit=100_000) if p["at"] > t_fault], 120,
+                     "a step after the fault")  # (the ranks never stopped: a step normally comes before the re-attach)
+    job = wait_for(lambda: (j := store.get_job(job_id)).state.is_terminal() and j, 600, "the job to end")
+    wait_for(lambda: store.get_attempt(job_id, job.attempt).stopped_at, 60, "the attempt's processes to end")
+    lost = 0
+    for rank in (0, 1):
+        steps = [int(m) for m in re.findall(r"\[train\] step=(\d+) ", _rank_log(store, job_id, 1, rank).read_text())]
+        lost += (len(steps) - len(set(steps))) + (STEPS - len(set(steps)))
+    return {"fault": "controller_killed", "detected_s": None, "first_step_s": round(min(p["at"] for p in first) - t_fault, 2),
+            "reached_step": max(_last_steps(store, job_id, 1)), "resumed_from": "re-attached", "steps_lost": lost,
+            "leftovers": len(job_processes(job_id)), "attempt1_gone_s": None, "final_state": job.state.value,
+            "attempts": job.attempt, "cause": "-", "reattached_s": round(at - t_fault, 2)}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--faults", default=",".join(FAULTS), help=f"comma-separated, of {', '.join(FAULTS)}")
@@ -321,13 +347,16 @@ def main() -> int:
         return 0
     print("| fault | detected (s) | fault to first step of attempt 2 (s) | steps lost | leftover processes | "
           "attempt 1 all gone (s) | cause | resumed from | final |")
+
+    def med(rows: list[dict], key: str, digits: int) -> str:
+        values = [r[key] for r in rows if r[key] is not None]
+        return f"{statistics.median(values):.{digits}f}" if values else "-"
     print("|---|---|---|---|---|---|---|---|---|")
     for fault in faults:
         rows = [r for r in results if r["fault"] == fault]
-        med = lambda k: statistics.median(r[k] for r in rows)  # noqa: E731
-        print(f"| {fault} | {med('detected_s'):.2f} | {med('first_step_s'):.1f} | "
+        print(f"| {fault} | {med(rows, 'detected_s', 2)} | {med(rows, 'first_step_s', 1)} | "
               f"{'/'.join(str(r['steps_lost']) for r in rows)} | {max(r['leftovers'] for r in rows)} | "
-              f"{med('attempt1_gone_s'):.1f} | "
+              f"{med(rows, 'attempt1_gone_s', 1)} | "
               f"{rows[0]['cause']} | {rows[0]['resumed_from']} | {rows[0]['final_state']} |")
     return 0
 

@@ -108,6 +108,45 @@ def test_processes_that_left_the_group_are_swept_and_reaped(orch, write_spec, ho
         assert not psutil.pid_exists(pid), f"{pid} is still there (a zombie: {psutil.Process(pid).status()})"
 
 
+def test_every_process_of_an_attempt_is_killed_with_its_cgroup_even_unmarked_after_its_agent(
+        orch, write_spec, hostfile, tmp_path) -> None:
+    """Each rank starts a child in a new session with an empty environment (no marker), then every agent is
+    SIGKILLed: the ranks die with their agent (PDEATHSIG), and the children only by the attempt's cgroup."""
+    from agents.cgroups import v2_root
+    assert v2_root() is not None, "these tests need a cgroup v2 hierarchy (every Linux since 2016 has one)"
+    ready = tmp_path / "ready"
+    spec = write_spec(**spec_fields(hostfile("node-0 slots=1\nnode-1 slots=1\n"), WORKER_STEPS="6000",
+                                    WORKER_ESCAPEE="clean", WORKER_READY_DIR=str(ready)))
+    proc = orch.popen("run", str(spec))
+    try:
+        wait_for(lambda: len(list(ready.glob("escapee*.pid"))) == 2 and len(list(ready.glob("*.ready"))) == 2, 60,
+                 "2 ranks and their children")
+        (job,) = orch.json("list")
+        escapees = [psutil.Process(int(p.read_text())) for p in ready.glob("escapee*.pid")]
+        assert all("ORCH_ATTEMPT_ID" not in p.environ() for p in escapees)  # the marker sweep cannot find them
+        started = [e["data"] for e in _events(orch, job["id"]) if e["kind"] == "ranks_started"]
+        cgroups = [d["cgroup"] for d in started]
+        assert len(cgroups) == 2 and all(c and os.path.isdir(c) for c in cgroups), started
+        for p in escapees:
+            assert str(p.pid) in Path(cgroups[0 if p.pid in _pids(cgroups[0]) else 1], "cgroup.procs").read_text()
+        for agent in [p for p in job_processes(job["id"]) if "ORCH_AGENT_ATTEMPT_ID" in p.environ()]:
+            agent.kill()
+        assert proc.wait(60) == 1
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    detail = orch.json("status", job["id"])
+    assert detail["state"] == "FAILED" and detail["cause"]["kind"] == "node_lost"
+    gone = wait_for(lambda: not any(p.is_running() and p.status() != "zombie" for p in escapees), 10,
+                    "the unmarked children to be killed")
+    assert gone and not any(os.path.exists(c) for c in cgroups)  # and the cgroups removed
+    assert_no_leftovers(job["id"], timeout=1)
+
+
+def _pids(cgroup: str) -> list[int]:
+    return [int(p) for p in Path(cgroup, "cgroup.procs").read_text().split()]
+
+
 def _long_job(orch, write_spec, hostfile, tmp_path, env: dict | None = None) -> tuple[Any, dict]:
     """``orch run`` of a 2x2 job that steps for minutes, once its 4 ranks run: ``(the orch process, the job)``."""
     ready = tmp_path / "ready"

@@ -80,14 +80,15 @@ def test_ranks_that_fail_while_no_server_runs_are_reported_by_the_next(orch, wri
     spec = _spec(write_spec, hostfile, steps=400, WORKER_FAIL_RANK="2", WORKER_FAIL_AT="60")
     with running_server(orch) as (proc, _url):
         job_id = orch.json("submit", str(spec))["id"]
-        wait_for(lambda: len(_ranks(job_id)) == 3, 60, "the ranks running")
+        wait_for(lambda: len(_ranks(job_id)) == 3 and orch.json("status", job_id)["state"] == "RUNNING", 60,
+                 "the ranks running")
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
     wait_for(lambda: len(_ranks(job_id)) == 2, 60, "rank 2 to fail on its own")
     with running_server(orch):
         wait_for(lambda: orch.json("status", job_id)["state"] == "FAILED", 30, "the job to fail")
     detail = orch.json("status", job_id)
-    assert detail["cause"]["kind"] == "rank_exit" and detail["cause"]["global_rank"] == 2
+    assert detail["cause"]["kind"] == "rank_exit" and detail["cause"]["global_rank"] == 2, detail["cause"]
     assert detail["cause"]["returncode"] == 3
     assert_no_leftovers(job_id)
 
@@ -97,7 +98,8 @@ def test_agents_stop_their_ranks_when_no_server_comes_back_in_time(orch, write_s
     spec = _spec(write_spec, hostfile, steps=3000)
     with running_server(orch) as (proc, _url):
         job_id = orch.json("submit", str(spec))["id"]
-        wait_for(lambda: len(_ranks(job_id)) == 3, 60, "the ranks running")
+        wait_for(lambda: len(_ranks(job_id)) == 3 and orch.json("status", job_id)["state"] == "RUNNING", 60,
+                 "the ranks running")
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
         killed = time.monotonic()

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException
@@ -66,6 +67,7 @@ def create_app(controller: Controller, token: str, allowed_hosts: list[str], sec
     app.add_exception_handler(OrchError, _orch_error)
     app.add_exception_handler(ValueError, _value_error)
     app.add_exception_handler(HTTPException, _http_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
     app.include_router(_job_routes(controller))
     app.include_router(_service_routes(controller))
     app.mount("/static", StaticFiles(directory=WEB_DIR), name="static")
@@ -80,6 +82,14 @@ async def _orch_error(_request: Request, err: OrchError) -> JSONResponse:
     status = 404 if isinstance(err, NotFoundError) else 409 if isinstance(err, StateError) else \
         507 if isinstance(err, StoreFullError) else 400
     return JSONResponse({"error": str(err), "kind": type(err).__name__}, status_code=status)
+
+
+async def _validation_error(_request: Request, err: RequestValidationError) -> JSONResponse:
+    # a query or body value of the wrong type (``?limit=abc``), in the API's error shape, naming each field
+    problems = [f"{'.'.join(str(p) for p in e.get('loc', ()))}: {e.get('msg')} (got {str(e.get('input'))[:80]!r})"
+                for e in err.errors()[:5]]
+    return JSONResponse({"error": "; ".join(problems) or "invalid request", "kind": "ValidationError"},
+                        status_code=422)
 
 
 async def _http_error(_request: Request, err: HTTPException) -> JSONResponse:

@@ -19,6 +19,7 @@ from typing import Any
 
 import psutil
 
+from agents import cgroups
 from agents.attach import open_link, socket_streams
 from agents.link import MessageReader, MessageWriter
 from agents.ranks import kill_marked, user_umask_env
@@ -110,6 +111,7 @@ class AttachedLocalAgent(AgentHandle):
             return False
 
     def kill(self) -> None:
+        cgroups.sweep(self.attempt_id, [self.node_rank])
         kill_marked(self.attempt_id, node_rank=self.node_rank, key="ORCH_AGENT_ATTEMPT_ID",
                     node_key="ORCH_AGENT_NODE_RANK")
         kill_marked(self.attempt_id, node_rank=self.node_rank)
@@ -151,5 +153,7 @@ class LocalProvisioner(Provisioner):
         return AttachedLocalAgent(node, plan.attempt_id, events)
 
     def sweep(self, plan: JobPlan) -> list[int]:
-        """Kill every rank and agent of the attempt still on this machine (by their markers)."""
-        return kill_marked(plan.attempt_id) + kill_marked(plan.attempt_id, key="ORCH_AGENT_ATTEMPT_ID")
+        """Kill every rank and agent of the attempt still on this machine: its nodes' cgroups
+        (``agents.cgroups``), then what carries its markers."""
+        return (cgroups.sweep(plan.attempt_id, [n.node_rank for n in plan.nodes]) + kill_marked(plan.attempt_id)
+                + kill_marked(plan.attempt_id, key="ORCH_AGENT_ATTEMPT_ID"))

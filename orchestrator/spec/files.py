@@ -153,7 +153,30 @@ def read_yaml(p: Path, what: str, error: type[SpecError] = SpecError) -> tuple[A
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(err, "problem", None) or str(err)
         raise error(f"{what[0].upper() + what[1:]} {p} is not valid YAML{where}: {problem}.", path=str(p)) from err
-    return tree, ({} if data is None else data)
+    return tree, ({} if data is None else _joined(data, p, what, error))
+
+
+def _joined(value: Any, p: Path, what: str, error: type[SpecError], at: str = "") -> Any:
+    """``value`` with each ``"\\ud83d\\ude00"`` pair of escapes made the one character it stands for, as JSON
+    does (YAML, which reads JSON files too, leaves two halves that no file name or command can hold).
+
+    Raises:
+        ``error``: a half without its other half (not text at all), naming where.
+    """
+    if isinstance(value, str):
+        if not any("\ud800" <= c <= "\udfff" for c in value):
+            return value
+        try:
+            return value.encode("utf-16", "surrogatepass").decode("utf-16")
+        except UnicodeDecodeError:
+            raise error(f"{what[0].upper() + what[1:]} {p}: the value of {at or 'the document'} has a lone UTF-16 "
+                        "surrogate escape (\\ud800-\\udfff without its pair): it is not text.", path=str(p)) from None
+    if isinstance(value, dict):
+        return {_joined(k, p, what, error, at): _joined(v, p, what, error, f"{at}.{k}" if at else str(k))
+                for k, v in value.items()}
+    if isinstance(value, list):
+        return [_joined(v, p, what, error, f"{at}[{i}]") for i, v in enumerate(value)]
+    return value
 
 
 def line_of(node: yaml.Node | None, loc: tuple) -> int | None:

@@ -119,6 +119,7 @@ class AttemptRun(AttemptMessages):
         self.adopt = adopt
         self._reattach_by: float | None = None  # adopting: when every agent must have answered
         self.previous_server: str | None = None  # adopting: the URL of the server that died
+        self._recorded_state: JobState | None = None  # adopting: the job's state in the store then
         self._thread = threading.Thread(target=self._main, name=f"attempt-{plan.attempt_id}", daemon=True)
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -170,7 +171,8 @@ class AttemptRun(AttemptMessages):
         """Take over the attempt a controller that died was running: link to every node's agent (its ranks
         kept running: ``agents.attach``), in parallel; each answers ``attached`` (:meth:`_on_attached`) within
         :data:`REATTACH_TIMEOUT_S`, else the attempt fails with ``controller_lost`` (and is restarted)."""
-        self.state = JobState.RUNNING  # as the store has it
+        self._recorded_state = self.store.get_job(self.job_id).state  # RUNNING, or PROVISIONING if it died first
+        self.state = JobState.RUNNING
         self.node_state = {n.node_rank: "reattaching" for n in self.plan.nodes}
         self._reattach_by = time.monotonic() + self.REATTACH_TIMEOUT_S
         self.progress.watch(r.global_rank for _, r in self.plan.ranks())

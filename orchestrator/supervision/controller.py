@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import psutil
 
-from agents.ranks import kill_marked, private_files
+from agents.ranks import private_files
 
 from ..checkpoints import needs_universal
 from ..checkpoints.integrity import Choice
@@ -34,7 +34,7 @@ from ..spec import JobSpec, spec_from_dict
 from ..spec.secrets import redact
 from ..store import JobRecord, JobState, Store, make_private
 from .attempt import AttemptRun, AttemptServices
-from .orphans import owner_alive, recover_orphans, waits_for_nodes
+from .orphans import owner_alive, recover_orphans, sweep_attempt, waits_for_nodes
 from .ports import PortLease
 from .reattach import AliveFile, take_over
 from .messages import rank_log_tail
@@ -419,8 +419,7 @@ class Controller:
         else:  # its controller is gone (and with it the agents): sweep, then record
             queued = waits_for_nodes(self.store, job)
             if job.attempt:  # (agents awaiting a new server, then their ranks)
-                kill_marked(f"{job.id}.{job.attempt}", key="ORCH_AGENT_ATTEMPT_ID")
-                kill_marked(f"{job.id}.{job.attempt}")
+                sweep_attempt(self.store, job.id, job.attempt)
             self.store.set_state(job.id, JobState.CANCELLED, queued=queued,
                                  cause={"kind": "cancelled", "message": "cancelled by the user"})
             if job.attempt and not queued:

@@ -63,7 +63,8 @@ class AttemptMessages:
         self.metrics_ports[node_rank] = msg.get("metrics_port")
         self._event("ranks_started", {"node_rank": node_rank, "host": self._host(node_rank),
                                       "ranks": msg.get("ranks", []), "metrics_port": msg.get("metrics_port"),
-                                      "network": msg.get("network")})
+                                      "network": msg.get("network"), "cgroup": msg.get("cgroup"),
+                                      **({"no_cgroup": msg["no_cgroup"]} if msg.get("no_cgroup") else {})})
         if self.state == JobState.PROVISIONING and all(s in ("running", "done") for s in self.node_state.values()):
             self._set(JobState.RUNNING)
             attempt = self.store.get_attempt(self.job_id, self.plan.attempt)
@@ -85,6 +86,9 @@ class AttemptMessages:
             self._on_rank_exit(node_rank, {"global_rank": int(rank), "returncode": int(code)})
         if not any(s == "reattaching" for s in self.node_state.values()):
             self._reattach_by = None
+            if self._recorded_state == JobState.PROVISIONING:  # it died after the ranks started, before it said so
+                self.state = JobState.PROVISIONING
+                self._set(JobState.RUNNING)
             self._event("reattached", {"nodes": len(self.node_state), "ranks": self.plan.world_size})
             self._write_targets()
 

@@ -13,13 +13,14 @@ from typing import Any
 
 import psutil
 
+from agents import cgroups
 from agents.ranks import kill_marked
 
-from ..errors import StateError
+from ..errors import OrchError, StateError
 from ..store import JobState, Store
 from .reattach import awaiting_reattach
 
-__all__ = ["recover_orphans", "owner_alive", "waits_for_nodes"]
+__all__ = ["recover_orphans", "owner_alive", "waits_for_nodes", "sweep_attempt"]
 
 
 def recover_orphans(store: Store, patient: bool = True) -> list[str]:
@@ -40,8 +41,7 @@ def recover_orphans(store: Store, patient: bool = True) -> list[str]:
         if owner_alive(job.owner) or (patient and awaiting_reattach(job) > 0):
             continue
         if job.attempt:
-            kill_marked(f"{job.id}.{job.attempt}", key="ORCH_AGENT_ATTEMPT_ID")  # agents awaiting a successor
-            kill_marked(f"{job.id}.{job.attempt}")
+            sweep_attempt(store, job.id, job.attempt)
         server = (job.owner or {}).get("url")
         cause = {"kind": "controller_lost", "server": server,
                  "message": f"the controller running this job ({'orch server at ' + server if server else 'orch run'}) "
@@ -58,6 +58,18 @@ def recover_orphans(store: Store, patient: bool = True) -> list[str]:
         store.set_owner(job.id, None)
         recovered.append(job.id)
     return recovered
+
+
+def sweep_attempt(store: Store, job_id: str, attempt: int) -> list[int]:
+    """Kill what is left of the attempt on this machine: its nodes' cgroups (``agents.cgroups``), its agents
+    (which may be awaiting a new server) and its ranks, by their markers."""
+    attempt_id = f"{job_id}.{attempt}"
+    try:
+        nodes = range(len(store.get_attempt(job_id, attempt).plan.get("nodes") or ()))
+    except OrchError:
+        nodes = range(0)
+    return (cgroups.sweep(attempt_id, nodes) + kill_marked(attempt_id, key="ORCH_AGENT_ATTEMPT_ID")
+            + kill_marked(attempt_id))
 
 
 def waits_for_nodes(store: Store, job: Any) -> bool:

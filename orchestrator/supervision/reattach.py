@@ -78,11 +78,12 @@ def last_alive(owner: dict[str, Any] | None) -> float | None:
 
 def awaiting_reattach(job: JobRecord, now: float | None = None) -> float:
     """Seconds left in which a new server may still take over ``job``'s running ranks after its owner died
-    (0: none: it was not RUNNING, its provisioner cannot re-attach, its owner gave no window, or it passed)."""
+    (0: none: it was not RUNNING or PROVISIONING, its provisioner cannot re-attach, its owner gave no window,
+    or it passed). PROVISIONING counts: the owner may have died after the ranks started, before it recorded so."""
     owner = job.owner or {}
     window = float(owner.get("reattach_s") or 0)
     seen = last_alive(owner)
-    if job.state != JobState.RUNNING or window <= 0 or seen is None \
+    if job.state not in (JobState.RUNNING, JobState.PROVISIONING) or window <= 0 or seen is None \
             or (job.spec or {}).get("provisioner", "local") not in REATTACHING:
         return 0.0
     return max(0.0, seen + window + SLACK_S - (time.time() if now is None else now))

@@ -11,6 +11,8 @@ Configured by environment (so launchers' argv handling is untouched):
 * ``WORKER_ESCAPEE=1``: start a child in a new session that sleeps for an hour (a process
   that leaves the rank's process group, as a careless data loader might); its pid goes to
   ``<WORKER_READY_DIR>/escapee<r>.pid``.
+* ``WORKER_ESCAPEE=clean``: the same child, started with an empty environment (no ``ORCH_*``
+  marker: only the attempt's cgroup still holds it).
 * ``WORKER_READY_DIR``: touch ``<dir>/rank<r>.ready`` once running.
 * ``WORKER_SAY``: a line printed as it is at the start (terminal escapes, for one).
 * ``WORKER_EXIT_S``: seconds an ``atexit`` handler spends after the last step (as an upload at exit does).
@@ -34,8 +36,9 @@ if os.environ.get("WORKER_IGNORE_TERM") == "1":
 ready = os.environ.get("WORKER_READY_DIR")
 if ready:
     os.makedirs(ready, exist_ok=True)
-if os.environ.get("WORKER_ESCAPEE") == "1":
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"], start_new_session=True)
+if os.environ.get("WORKER_ESCAPEE") in ("1", "clean"):
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"], start_new_session=True,
+                             env={} if os.environ["WORKER_ESCAPEE"] == "clean" else None)
     if ready:
         with open(os.path.join(ready, f"escapee{rank}.pid"), "w") as f:
             f.write(str(child.pid))

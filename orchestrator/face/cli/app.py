@@ -25,7 +25,7 @@ from ...errors import OrchError
 from .export import cmd_export
 from .jobs import cmd_cancel, cmd_plan, cmd_resume, cmd_run, cmd_submit
 from .options import common_options, host_list, job_arguments, positive_int, seconds_arg, tcp_port
-from .output import err_console, print_json
+from .output import Parser, err_console, print_json, printable
 from .server import DEFAULT_PORT, cmd_server
 from .show import cmd_list, cmd_logs, cmd_status
 
@@ -45,9 +45,9 @@ def _submit_and_list(add: Callable[..., argparse.ArgumentParser]) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    common = argparse.ArgumentParser(add_help=False)
+    common = Parser(add_help=False)
     common_options(common, top=False)
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="orch", description="Run DeepSpeed ZeRO training jobs across nodes from a job spec: plan them, "
         "supervise every rank, stop them cleanly, resume them from the last complete checkpoint.",
         epilog="Start with: orch plan examples/quickstart.yaml, then orch run examples/quickstart.yaml")
@@ -137,7 +137,8 @@ def main(argv: Iterable[str] | None = None) -> int:
     except OrchError as err:
         if getattr(args, "output", None) == "json":
             print_json({"error": str(err), "kind": type(err).__name__})
-        err_console.print(Text(f"error: {err}", style="red"), soft_wrap=True)  # one line: copy, paste, grep
+        # one line: copy, paste, grep; what it quotes (a job id, a spec's value) is shown, never obeyed
+        err_console.print(Text(f"error: {printable(str(err))}", style="red"), soft_wrap=True)
         return err.exit_code
     except KeyboardInterrupt:
         err_console.print("interrupted")

@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 from typing import Any, Callable
 
-from .output import UsageError, err_console
+from .output import Parser, UsageError, err_console
 
 
 def host_list(text: str) -> list[str]:
@@ -133,7 +133,7 @@ def load_job(args: argparse.Namespace) -> Any:
     script_mode = getattr(args, "accelerate_config", None) is not None and \
         not str(args.spec).endswith((".yaml", ".yml"))
     if not script_mode and rest:  # options after the spec: parse them as options
-        p = argparse.ArgumentParser(prog=f"orch {args.command} SPEC", add_help=False)
+        p = Parser(prog=f"orch {args.command} SPEC", add_help=False)
         common_options(p, top=False)
         job_options(p, suppress=True)
         if getattr(args, "command", None) == "submit":

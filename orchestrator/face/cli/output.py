@@ -8,18 +8,27 @@ import json
 import re
 import sys
 import time
-from typing import Any
+from typing import Any, NoReturn
 
 from rich.console import Console
 from rich.text import Text
 
 from ...errors import OrchError
 
+class _TextConsole(Console):
+    """A console whose every string (a table cell, a printed line) is shown as text: terminal control
+    sequences in it (:func:`printable`: a host name, an argument, a rank's output) are dropped, never obeyed.
+    Its own styling still reaches a terminal."""
+
+    def render_str(self, text: str, **kwargs: Any) -> Text:  # (rich's hook from str to Text)
+        return super().render_str(printable(text), **kwargs)
+
+
 # markup off: host names, job names and paths are the user's text, and "node[/x]" is not a style tag
-console = Console(width=None if sys.stdout.isatty() else 200, markup=False)
+console = _TextConsole(width=None if sys.stdout.isatty() else 200, markup=False)
 
 
-err_console = Console(stderr=True, width=None if sys.stderr.isatty() else 200, markup=False)
+err_console = _TextConsole(stderr=True, width=None if sys.stderr.isatty() else 200, markup=False)
 
 
 STATE_STYLE = {"PENDING": "yellow", "PROVISIONING": "yellow", "RUNNING": "cyan", "SUCCEEDED": "green",
@@ -38,6 +47,14 @@ def printable(text: str) -> str:
     ranks print reaches the user's terminal as text, never as commands to it (the log files keep the raw
     bytes; ``--output json`` escapes them)."""
     return _CONTROL.sub("", text)
+
+
+class Parser(argparse.ArgumentParser):
+    """``argparse``'s parser, whose refusals quote the command line as text (:func:`printable`): an argument
+    holding terminal control sequences is shown, never obeyed."""
+
+    def error(self, message: str) -> "NoReturn":  # type: ignore[override]
+        super().error(printable(message))
 
 
 class UsageError(OrchError):
