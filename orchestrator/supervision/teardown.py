@@ -8,6 +8,7 @@ ranks when the controller's pings stop reaching it (its lease), and its connecti
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
@@ -57,6 +58,7 @@ class Teardown:
         """
         lost = self._lost()
         for node_rank in lost & set(self.agents):
+            self._tell_lost(self.agents[node_rank], reason)
             self.provisioner.forget(node_rank)
         self._live = {n: h for n, h in self.agents.items() if n not in lost}
         for node_rank, handle in self._live.items():
@@ -76,6 +78,14 @@ class Teardown:
             self.provisioner.forget(node_rank)
             self._live.pop(node_rank, None)
         return lost | newly_lost
+
+    @staticmethod
+    def _tell_lost(handle: AgentHandle, reason: str) -> None:
+        """Send a lost node's agent ``stop`` anyway (0.5 s at most): should its link come back, the agent then
+        stops its ranks instead of taking the link's end for its controller's death and awaiting a successor."""
+        sender = threading.Thread(target=handle.send, args=({"type": "stop", "reason": reason},), daemon=True)
+        sender.start()
+        sender.join(0.5)
 
     def finish(self, plan: JobPlan) -> list[int]:
         """Close every live agent's link (kill one that does not end in 0.5 s), sweep every process
