@@ -18,8 +18,11 @@ Lifecycle, written once here for every provisioner:
    ``spawn_failed`` and stop what was started);
 4. loop: report every rank exit (``rank_exit``), send ``heartbeat``s, obey ``stop``;
 5. stop the ranks (SIGTERM, the grace period, SIGKILL) when told to, when the
-   controller goes away (end of stream, or no message for ``lease_s`` seconds), or
-   on SIGTERM/SIGINT; then exit. No rank outlives its agent: ranks also carry
+   controller goes away (end of stream; or no message for ``lease_s`` seconds), or
+   on SIGTERM/SIGINT; then exit. An ``orch server``'s agent (``reattach_s`` > 0) takes
+   the end of stream for its controller's death: its ranks run on, and a new controller
+   may re-attach within ``reattach_s`` (:mod:`agents.attach`). Each node's ranks run in
+   a cgroup of the attempt's where one can be made (:mod:`agents.cgroups`). No rank outlives its agent: ranks also carry
    ``PR_SET_PDEATHSIG``, and the agent is a child subreaper, so a rank's orphaned
    children are re-parented to it, killed and reaped when the node ends (no zombies).
 """

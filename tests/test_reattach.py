@@ -58,6 +58,8 @@ def test_a_killed_server_s_running_job_goes_on_under_the_next_server(orch, write
     assert set(_ranks(job_id)) == set(before), "a rank stopped while no controller ran"
     detail = orch.json("status", job_id)  # a command meanwhile does not fail the job: a server may take it over
     assert detail["state"] == "RUNNING", detail["cause"]
+    assert 50 < detail["awaiting_server"]["seconds_left"] <= 62, detail["awaiting_server"]
+    assert "takes them over without a restart" in " ".join(orch("status", job_id).stdout.split())
     with running_server(orch):
         wait_for(lambda: any(e.kind == "reattached" for e in orch.events(job_id)), 30, "the new server to re-attach")
         reattached = time.monotonic() - killed

@@ -55,8 +55,21 @@ class StoreBackend:
         return out
 
     def detail(self, job_id: str) -> dict:
+        """The job's detail; for a job whose ``orch server`` died and whose ranks still run awaiting a new one
+        (``supervision/reattach.py``), ``awaiting_server`` says for how long."""
         from ...observe import job_detail
-        return job_detail(self.store, job_id)
+        from ...supervision.orphans import owner_alive
+        from ...supervision.reattach import awaiting_reattach
+        detail = job_detail(self.store, job_id)
+        job = self.store.get_job(detail["id"])
+        left = 0.0 if owner_alive(job.owner) else awaiting_reattach(job)
+        if left > 0:
+            detail["awaiting_server"] = {
+                "seconds_left": round(left, 1), "server": (job.owner or {}).get("url"),
+                "message": f"its orch server ({(job.owner or {}).get('url')}) is gone; its ranks run on, and an orch "
+                           f"server started on this state dir within {left:.0f} s takes them over without a restart "
+                           "(after that they stop, and the job is marked FAILED: controller_lost)"}
+        return detail
 
     def logs(self, job_id: str, rank: int, attempt: int | None, offset: int) -> dict:
         from ...observe import read_log

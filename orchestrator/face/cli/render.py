@@ -52,7 +52,10 @@ def cause_lines(detail: dict) -> list[str]:
 
 
 def queue_line(detail: dict) -> str | None:
-    """While a PENDING job waits in a scheduler's queue (slurm from a login node): what the scheduler says."""
+    """What the job waits for: while PENDING in a scheduler's queue (slurm from a login node), what the scheduler
+    says; while its dead server's ranks await a new one, how long a new server has."""
+    if detail.get("awaiting_server"):
+        return str(detail["awaiting_server"]["message"])
     alloc = detail.get("allocation")
     if detail.get("state") != "PENDING" or not alloc or alloc.get("state") == "RUNNING":
         return None
@@ -64,6 +67,7 @@ def render_detail(detail: dict) -> Group:
     waiting = queue_line(detail)
     if waiting:
         parts.append(Text(waiting, style="yellow"))
+
     for line in cause_lines(detail):
         parts.append(Text(line, style="red" if line.startswith("cause") else ""))
     parts.append(ranks_table(detail))
