@@ -41,6 +41,24 @@ def test_valid_spec_resolves_paths(project: Path) -> None:
     assert again == spec
 
 
+def test_a_misspelled_field_gets_a_did_you_mean(project: Path) -> None:
+    p = _write(project, "name: x\nentrypoint: train.py\ndeepspeed_confg: {}\nrestart: {max_restart: 1}\n")
+    with pytest.raises(SpecError) as err:
+        load_spec(p)
+    msg = str(err.value)
+    assert "deepspeed_confg (line 3): unknown field; did you mean deepspeed_config? valid fields are:" in msg
+    assert "restart.max_restart (line 4): unknown field; did you mean max_restarts? valid fields of restart" in msg
+
+
+def test_a_misspelled_command_gets_a_did_you_mean(capsys) -> None:
+    from orchestrator.face.cli.app import main
+    with pytest.raises(SystemExit) as exit_:
+        main(["stauts"])
+    assert exit_.value.code == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "invalid choice: 'stauts'" in err and err.endswith("did you mean 'status'?")
+
+
 def test_every_problem_is_listed_with_field_and_line(project: Path) -> None:
     p = _write(project, "name: 'bad name'\nlauncher: foo\nmaster_port: 70000\nenv:\n  B: true\n"
                         "bogus: 1\nnum_nodes: x\n")

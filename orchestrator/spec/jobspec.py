@@ -9,6 +9,7 @@ stored absolute, so a stored spec means the same thing wherever it is read.
 
 from __future__ import annotations
 
+import difflib
 import fnmatch
 import os
 import re
@@ -360,8 +361,11 @@ def _problems_from(err: ValidationError, tree: yaml.Node | None) -> list[tuple[s
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
             section = _section_model(loc[:-1])
-            valid = ", ".join(f.alias or n for n, f in section.model_fields.items())
-            msg = f"unknown field; valid fields{' of ' + loc[-2] if len(loc) > 1 else ''} are: {valid}"
+            names = [f.alias or n for n, f in section.model_fields.items()]
+            close = difflib.get_close_matches(str(loc[-1]), names, n=1, cutoff=0.75)
+            valid = ", ".join(names)
+            msg = (f"unknown field; did you mean {close[0]}? " if close else "unknown field; ") + \
+                f"valid fields{' of ' + loc[-2] if len(loc) > 1 else ''} are: {valid}"
         elif e["type"] in ("model_type", "model_attributes_type", "dict_type"):
             short = " or true/false" if loc and loc[-1] == "preflight" else ""
             section = _section_model(loc) if loc else JobSpec

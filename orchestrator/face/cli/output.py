@@ -4,6 +4,7 @@ and the error every command raises for a request it cannot carry out."""
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import re
 import sys
@@ -54,6 +55,11 @@ class Parser(argparse.ArgumentParser):
     holding terminal control sequences is shown, never obeyed."""
 
     def error(self, message: str) -> "NoReturn":  # type: ignore[override]
+        wrong = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
+        if wrong:  # (Python 3.14's argparse suggests too; until then, difflib)
+            close = difflib.get_close_matches(wrong[1], re.findall(r"'([^']*)'", wrong[2]), n=1, cutoff=0.6)
+            if close:
+                message += f"; did you mean '{close[0]}'?"
         super().error(printable(message))
 
 
