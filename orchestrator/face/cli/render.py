@@ -11,19 +11,68 @@ from rich.text import Text
 from .output import console, fmt_loss, printable, styled
 
 
-def ranks_table(detail: dict) -> Table:
-    t = Table(box=None, pad_edge=False)
-    for col in ("rank", "node", "local", "pid", "state", "exit", "step", "loss", "tokens/s", "last output"):
-        t.add_column(col, overflow="ellipsis", no_wrap=col in ("last output", "state", "exit"),
-                     max_width=60 if col == "last output" else None)
-    for r in detail.get("ranks", []):
-        exit_ = (r.get("how") or "").replace("exit code ", "").replace("signal ", "") or "-"
-        t.add_row(str(r["global_rank"]), f"{r['host']} ({r['node_rank']})", str(r["local_rank"]),
-                  str(r["pid"] or "-"), styled(r["state"]), exit_,
-                  str(r["step"] if r["step"] is not None else "-"), fmt_loss(r["loss"]),
-                  f"{r['tokens_per_second']:.0f}" if r.get("tokens_per_second") is not None else "-",
-                  Text((r.get("last_line") or "")[:200]))
+#: The ranks table's columns in the order shown, and (``RANK_PRIORITY``) the order they are given room in.
+RANK_COLUMNS = ("rank", "node", "local", "pid", "state", "exit", "step", "loss", "tokens/s", "last output")
+RANK_PRIORITY = ("rank", "node", "step", "loss", "state", "exit", "tokens/s", "pid", "local", "last output")
+#: Narrowest a host name is cut to (with an ellipsis), and the least room worth giving the last output.
+MIN_NODE, MIN_OUTPUT = 8, 12
+
+
+def _rank_cells(r: dict) -> dict[str, Any]:
+    exit_ = (r.get("how") or "").replace("exit code ", "").replace("signal ", "") or "-"
+    return {"rank": str(r["global_rank"]), "node": f"{r['host']} ({r['node_rank']})", "local": str(r["local_rank"]),
+            "pid": str(r["pid"] or "-"), "state": styled(r["state"]), "exit": exit_,
+            "step": str(r["step"] if r["step"] is not None else "-"), "loss": fmt_loss(r["loss"]),
+            "tokens/s": f"{r['tokens_per_second']:.0f}" if r.get("tokens_per_second") is not None else "-",
+            "last output": Text(printable(r.get("last_line") or "")[:200])}
+
+
+def fit_columns(rows: list[dict[str, Any]], width: int) -> dict[str, int]:
+    """Which columns of the ranks table fit in ``width`` terminal columns, and how wide each is: given room in
+    :data:`RANK_PRIORITY` order (rank, node, step and loss first), one space between columns; the node is cut
+    to no less than :data:`MIN_NODE`, and the last output takes what is left (if at least :data:`MIN_OUTPUT`).
+    Returns column -> width."""
+    natural = {c: max([len(c)] + [len(str(row[c])) if not isinstance(row[c], Text) else row[c].cell_len
+                                  for row in rows]) for c in RANK_COLUMNS}
+    chosen: dict[str, int] = {}
+    used = -1
+    for col in RANK_PRIORITY:
+        if col == "last output":
+            room = width - used - 1
+            if room >= MIN_OUTPUT:
+                chosen[col] = min(room, max(natural[col], MIN_OUTPUT), 60 if width < 200 else 120)
+            continue
+        want = natural[col]
+        if col == "node" and used + 1 + want > width - 30:  # leave room for step, loss, state
+            want = max(MIN_NODE, min(want, width - 30 - used - 1))
+        if used + 1 + want <= width:
+            chosen[col] = want
+            used += 1 + want
+    return chosen
+
+
+def ranks_table(detail: dict, width: int | None = None) -> Table:
+    """One line per rank, never wrapped: the columns that fit the terminal (:func:`fit_columns`; ``width``:
+    the console's by default)."""
+    rows = [_rank_cells(r) for r in detail.get("ranks", [])]
+    fit = fit_columns(rows, width or console.width)
+    t = Table(box=None, pad_edge=False, padding=(0, 1, 0, 0), collapse_padding=True)
+    shown = [c for c in RANK_COLUMNS if c in fit]
+    for col in shown:
+        t.add_column(col, overflow="ellipsis", no_wrap=True, max_width=fit[col], min_width=min(fit[col], len(col)))
+    for row in rows:
+        t.add_row(*(row[c] for c in shown))
     return t
+
+
+class RanksTable:
+    """The ranks table as a renderable sized when it is drawn (a live view's terminal may be resized)."""
+
+    def __init__(self, detail: dict) -> None:
+        self.detail = detail
+
+    def __rich_console__(self, console: Any, options: Any) -> Any:
+        yield ranks_table(self.detail, options.max_width)
 
 
 def header_line(detail: dict) -> Text:
@@ -70,7 +119,7 @@ def render_detail(detail: dict) -> Group:
 
     for line in cause_lines(detail):
         parts.append(Text(line, style="red" if line.startswith("cause") else ""))
-    parts.append(ranks_table(detail))
+    parts.append(RanksTable(detail))
     return Group(*parts)
 
 

@@ -13,7 +13,7 @@ from rich.text import Text
 from .backends import pick_backend
 from ..limits import MAX_LIST_JOBS
 from .output import ago, console, err_console, print_json, printable, styled
-from .render import cause_lines, checkpoint_lines, header_line, queue_line, ranks_table, start_checkpoint
+from .render import RanksTable, cause_lines, checkpoint_lines, header_line, queue_line, start_checkpoint
 
 
 def cmd_list(args: argparse.Namespace) -> int:
@@ -61,7 +61,7 @@ def cmd_status(args: argparse.Namespace) -> int:
                          start_checkpoint(a), ago(a["created_at"]), (a.get("cause") or {}).get("message") or "")
     c.print(attempts)
     c.print(Text(f"Ranks of attempt {detail['attempt']}", style="bold"))
-    c.print(ranks_table(detail))
+    c.print(RanksTable(detail))
     for line in cause_lines(detail)[1:]:
         c.print(line, markup=False, highlight=False)
     for line in checkpoint_lines(detail.get("checkpoints")):
