@@ -220,3 +220,21 @@ def test_each_exporter_listens_where_the_controller_reaches_its_node(tmp_path) -
     assert every.nodes[0].metrics_addr == "0.0.0.0"
     with pytest.raises(SpecError, match="metrics_addr.*not an IP address"):
         _spec(tmp_path, metrics_addr="every")
+
+
+def test_plan_offline_plans_hosts_this_machine_cannot_reach_and_says_what_it_skipped(orch, write_spec, hostfile) -> None:
+    hosts = hostfile("gpu-a1.unresolvable.invalid slots=2\ngpu-a2.unresolvable.invalid slots=2\n")
+    spec = write_spec(entrypoint="train.py", hostfile=str(hosts), provisioner="ssh",
+                      ssh={"known_hosts": "/nonexistent/known_hosts"})
+    (spec.parent / "train.py").write_text("print('hi')\n")
+    r = orch("plan", str(spec))
+    assert r.returncode == 2 and "gpu-a1.unresolvable.invalid does not resolve" in r.stderr
+    r = orch("plan", str(spec), "--offline", "--output", "json")
+    assert r.returncode == 0, r.stderr
+    plan = __import__("json").loads(r.stdout)
+    assert plan["master_addr"] == "gpu-a1.unresolvable.invalid" and plan["world_size"] == 4
+    assert [n["host"] for n in plan["nodes"]] == ["gpu-a1.unresolvable.invalid", "gpu-a2.unresolvable.invalid"]
+    assert any(w.startswith("offline: not checked: that each host's name resolves, that its host key is in "
+                            "known_hosts") for w in plan["warnings"])
+    r = orch("plan", "--offline", str(spec))  # before the spec too
+    assert r.returncode == 0 and "offline: not checked" in " ".join((r.stdout + r.stderr).split())

@@ -120,7 +120,7 @@ def prepare_plan(spec: JobSpec, state_dir: str | Path, job_id: str, *, attempt: 
                  resume_tag: str | None = None, hold_port: bool = True,
                  resume_universal_from: str | None = None, resume_args: tuple[str, ...] = (),
                  resume_env: dict[str, str] | None = None,
-                 provisioner: Provisioner | None = None) -> tuple[JobPlan, PortLease]:
+                 provisioner: Provisioner | None = None, offline: bool = False) -> tuple[JobPlan, PortLease]:
     """Gather what the planner needs (the I/O part) and plan one attempt.
 
     Reads the hostfile, applies the filters, checks the nodes can be reached as the
@@ -141,6 +141,9 @@ def prepare_plan(spec: JobSpec, state_dir: str | Path, job_id: str, *, attempt: 
         resume_args, resume_env: how the resumed script is told its checkpoint (:class:`PlanInputs`).
         provisioner: the one to plan for (default: the spec's, made here); a queued attempt's is the one
             inside the allocation granted to it.
+        offline: ``orch plan --offline``, for hosts this machine cannot reach: the checks that need them
+            (reaching them as the provisioner is configured, names resolving) are skipped and listed among the
+            plan's warnings, and host names stand as written for the addresses they would resolve to.
 
     Returns:
         ``(plan, lease)``; release the lease when the attempt is over.
@@ -152,15 +155,18 @@ def prepare_plan(spec: JobSpec, state_dir: str | Path, job_id: str, *, attempt: 
     if provisioner is None:
         provisioner = get_provisioner(spec.provisioner, spec, look_only=not hold_port)
     pool = pool_of(spec, provisioner)
-    provisioner.check(pool)
+    skipped = OFFLINE_SKIPS.get(spec.provisioner, OFFLINE_SKIPS["local"]) if offline else ()
+    if not offline:
+        provisioner.check(pool)
     _check_assigned_devices(spec, pool)
     if attempt == 1 and not provisioner.granted:  # a restart that has just used the spare must still run;
         # nodes a scheduler granted this attempt alone are asked for again (without the lost ones) by a restart
         _check_restart_policy(spec, provisioner, pool)
     job_ds = job_deepspeed(spec, [len(slots) for _, slots in pool.nodes], os.environ)  # resolved for this world
-    if spec.master_addr:
+    if spec.master_addr and not offline:
         _check_resolves(spec.master_addr)
-    master_addr = spec.master_addr or provisioner.master_addr(pool.hosts[0])
+    address = (lambda host: host) if offline else provisioner.master_addr  # noqa: E731 - offline: names as written
+    master_addr = spec.master_addr or address(pool.hosts[0])
     lease = reserve_port(default_lock_dir(), spec.master_port, master_addr,
                          check_bind=spec.provisioner == "local", hold=hold_port)
     try:
@@ -180,13 +186,24 @@ def prepare_plan(spec: JobSpec, state_dir: str | Path, job_id: str, *, attempt: 
             resume_args=tuple(resume_args), resume_env=dict(resume_env or {}),
             checkpoint_watch=checkpoint_watch(spec, state_dir, job_id), resume_dir=resume_dir_of(spec, state_dir, job_id),
             node_addresses={} if spec.metrics_addr != "auto" or spec.metrics_port is None else
-            {host: provisioner.master_addr(host) for host in dict.fromkeys(pool.hosts)})
+            {host: address(host) for host in dict.fromkeys(pool.hosts)})
         inputs = dataclasses.replace(inputs, accelerate_env=job_ds.env(inputs.deepspeed_config_path))
-        plan = dataclasses.replace(make_plan(spec, pool, inputs), deepspeed_autos=job_ds.autos)
+        plan = make_plan(spec, pool, inputs)
+        plan = dataclasses.replace(plan, deepspeed_autos=job_ds.autos, warnings=plan.warnings + tuple(skipped))
         return plan, lease
     except BaseException:
         lease.release()
         raise
+
+
+#: What ``orch plan --offline`` does not check, by provisioner (said among the plan's warnings).
+OFFLINE_SKIPS = {
+    "local": ("offline: not checked: that master_addr resolves",),
+    "ssh": ("offline: not checked: that each host's name resolves, that its host key is in known_hosts, that the "
+            "identity files can be used, and that master_addr resolves; addresses are the host names as written",),
+    "slurm": ("offline: not checked: that master_addr resolves",),
+    "ray": ("offline: not checked: that master_addr resolves (the Ray cluster is still read)",),
+}
 
 
 def _check_assigned_devices(spec: JobSpec, pool: ResourcePool) -> None:

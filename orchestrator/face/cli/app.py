@@ -64,6 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp = add("plan", cmd_plan, "Show where every rank of a job would run, with its environment and command "
              "line, and the command the real launcher would run. Starts nothing.")
     job_arguments(sp)
+    sp.add_argument("--offline", action="store_true", help="plan for hosts this machine cannot reach (names that "
+                    "do not resolve here, keys not in known_hosts): checks that need them are skipped and listed")
     sp = add("run", cmd_run, "Run a job in the foreground with live progress; exit 0 only if it succeeds. "
              "Ctrl-C cancels it.")
     job_arguments(sp)

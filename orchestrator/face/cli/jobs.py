@@ -61,7 +61,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from ...spec.secrets import redact
     from ...supervision.prepare import network_preview, prepare_plan
     spec = load_job(args)
-    plan, _lease = prepare_plan(spec, state_dir_of(args), f"{spec.name}-plan", hold_port=False)
+    plan, _lease = prepare_plan(spec, state_dir_of(args), f"{spec.name}-plan", hold_port=False,
+                                offline=getattr(args, "offline", False))
     interfaces = network_preview(plan)
     plan = redact(plan, spec.secret_env)  # what is shown: secret-looking values are **** (docs/security.md)
     report_shell_env(args)

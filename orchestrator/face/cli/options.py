@@ -138,6 +138,8 @@ def load_job(args: argparse.Namespace) -> Any:
         job_options(p, suppress=True)
         if getattr(args, "command", None) == "submit":
             p.add_argument("--idempotency-key", default=argparse.SUPPRESS)
+        if getattr(args, "command", None) == "plan":
+            p.add_argument("--offline", action="store_true", default=argparse.SUPPRESS)
         extra, unknown = p.parse_known_args(rest, namespace=args)
         if unknown:
             raise UsageError(f"Unexpected arguments after the job spec {args.spec}: {' '.join(unknown)}. Put the "
