@@ -41,9 +41,10 @@ import time
 from typing import Any
 
 from . import devices, network, stacks
-from .attach import AttachPoint, RelinkWriter
+from .attach import AttachPoint, RelinkWriter, write_outcome
 from .cgroups import AttemptCgroup
 from .adopted import SHIM, AdoptedRank, log_tail, write_plans, wrong_tool
+from .before import BeforeStart
 from .nodeenv import node_env, rank_env, read_env_files
 from .link import MessageReader, MessageWriter
 from .ranks import RankProcess, become_subreaper, private_files, describe_returncode, kill_descendants, kill_marked, stop_all
@@ -100,6 +101,7 @@ class Agent:
         self._attach: AttachPoint | None = None
         self._link_tag: Any = "controller"
         self._detached_at: float | None = None
+        self._outcome_written = False
         self._cgroup: AttemptCgroup | None = None
         self._no_cgroup = ""  # why the ranks have no cgroup (agents.cgroups)
 
@@ -368,6 +370,8 @@ class Agent:
                 if stopped is not None:
                     return stopped
             self._reap()
+            if self._detached_at is not None:
+                self._detached_turn()
             self._send_progress(force=len(self.exited) == len(self.ranks))
             if len(self.exited) == len(self.ranks) and self._announce is None and self._detached_at is None:
                 if self.launcher is not None and not self._launcher_ended():
@@ -393,6 +397,17 @@ class Agent:
             except OSError as err:
                 self.writer.send({"type": "warning", "message": f"{self.node['host']} cannot listen for a new "
                                   f"controller ({err.strerror or err}): its ranks stop if this one goes"})
+
+    def _detached_turn(self) -> None:
+        """No controller is linked: a rank that failed ends the attempt (the rest of the node's ranks are
+        stopped, as a controller would); once every rank ended, their exits are recorded for whoever finds the
+        controller gone (``agents.attach.write_outcome``)."""
+        if any(c != 0 for c in self.exited.values()) and len(self.exited) < len(self.ranks):
+            stop_all([p for p in self.ranks if p.global_rank not in self.exited], self.grace)
+            self._reap()
+        if len(self.exited) == len(self.ranks) and not self._outcome_written:
+            self._outcome_written = True
+            write_outcome(self.node["log_dir"], self.node["node_rank"], self.exited)
 
     def _relink(self, msg: dict) -> None:
         """A new controller linked: tell it the node's state, then what it missed."""
@@ -475,90 +490,6 @@ class Agent:
         self._signalled = signum
 
 
-class _BeforeStart:
-    """The agent between ``hello`` and ``start``: it answers the controller's ``preflight``
-    requests (:mod:`agents.preflight`, on a thread, so a ``stop`` is obeyed at once), sends
-    heartbeats from the first request on, and gives up when the controller falls silent for
-    the lease the request named (before any request: after ``timeout`` seconds).
-
-    Args:
-        writer: where messages to the controller go.
-        inbox: messages from the controller.
-        base_env: the node's environment (ranks' environments are laid over it).
-    """
-
-    def __init__(self, writer: MessageWriter, inbox: "queue.Queue[tuple[Any, dict]]",
-                 base_env: dict[str, str]) -> None:
-        self.writer = writer
-        self.inbox = inbox
-        self.base_env = base_env
-        self.preflight: Any = None
-        self._thread: threading.Thread | None = None
-        self._beating = threading.Event()
-        self._done = threading.Event()
-        self._heartbeat_s = 1.0
-        self._lease_s: float | None = None
-
-    def wait(self, timeout: float = 600.0) -> dict | None:
-        """The ``start`` message, or None when the controller gave up on the attempt (``stop``,
-        end of stream), fell silent for its lease, or sent nothing usable."""
-        deadline = time.monotonic() + timeout
-        last_heard = time.monotonic()
-        while time.monotonic() < deadline:
-            if self._lease_s is not None and time.monotonic() - last_heard > self._lease_s:
-                print(f"agent: no word from the controller for {self._lease_s:.0f} s before the start; exiting",
-                      file=sys.stderr)
-                return None
-            try:
-                _tag, msg = self.inbox.get(timeout=0.1)
-            except queue.Empty:
-                continue
-            last_heard = time.monotonic()
-            kind = msg.get("type")
-            if kind == "start":
-                return msg
-            if kind in ("eof", "stop"):
-                return None  # the controller gave up on this attempt before it started
-            if kind == "preflight":
-                self._preflight(msg)
-            elif kind != "ping":
-                print(f"agent: expected a start message, got {kind!r}; exiting", file=sys.stderr)
-                return None
-        print(f"agent: no start message within {timeout:.0f} s; exiting", file=sys.stderr)
-        return None
-
-    def _preflight(self, msg: dict) -> None:
-        from .preflight import NodePreflight, run_in_thread
-        self._heartbeat_s = float(msg.get("heartbeat_s") or self._heartbeat_s)
-        self._lease_s = float(msg["lease_s"]) if msg.get("lease_s") else self._lease_s
-        if not self._beating.is_set():
-            self._beating.set()
-            threading.Thread(target=self._heartbeats, name="preflight-heartbeats", daemon=True).start()
-        if self.preflight is None:
-            node = msg.get("node") or {}
-            ranks = node.get("ranks") or [{}]
-            self.preflight = NodePreflight(int(node.get("node_rank", 0)), rank_env(self.base_env, node, ranks[0]),
-                                           host=str(node.get("host", "")))
-        if self._thread is not None:
-            self._thread.join()  # phases run one at a time (the controller waits for each anyway)
-        self._thread = run_in_thread(self.preflight, msg, self.writer.send)
-
-    def _heartbeats(self) -> None:
-        while not self._done.wait(self._heartbeat_s):
-            check = self.preflight.current if self.preflight is not None else None
-            if not self.writer.send({"type": "heartbeat", "at": time.time(), "preflight": check}):
-                return
-
-    def close(self) -> None:
-        """Stop the heartbeats, call off a running check, remove this node's preflight token."""
-        self._done.set()
-        if self.preflight is not None:
-            self.preflight.abort()
-            if self._thread is not None:
-                self._thread.join(5.0)
-            self.preflight.cleanup()
-
-
 def main() -> int:
     """Entry point of ``python -m agents.agent``: serve one node over stdin/stdout."""
     private_files()  # the agent's logs and records: 0600; its ranks keep the user's umask
@@ -572,7 +503,7 @@ def main() -> int:
     writer.send({"type": "hello", "host": socket.gethostname(), "pid": os.getpid(), "python": sys.executable,
                  "version": __version__})
     base_env = node_env(os.environ)
-    before = _BeforeStart(writer, inbox, base_env)
+    before = BeforeStart(writer, inbox, base_env)
     first = before.wait()
     before.close()
     if first is None:

@@ -28,11 +28,13 @@ import stat
 import sys
 import tempfile
 import threading
+import time
 from typing import Any, Callable
 
 from .link import MessageReader, MessageWriter
 
-__all__ = ["attach_dir", "attach_path", "private_dir", "AttachPoint", "RelinkWriter", "attach_request", "main"]
+__all__ = ["attach_dir", "attach_path", "private_dir", "AttachPoint", "RelinkWriter", "attach_request", "main",
+           "write_outcome", "read_outcomes", "remove_points"]
 
 #: Message types a detached agent does not keep (each is superseded by the next, or means nothing later).
 NOT_KEPT = frozenset({"heartbeat"})
@@ -221,6 +223,43 @@ class AttachPoint:
                 os.unlink(self.path)
             except OSError:
                 pass
+
+
+def outcome_path(log_dir: str, node_rank: int) -> str:
+    """Where a detached agent whose ranks all ended records their exits (in the node's log directory)."""
+    return os.path.join(log_dir, f".node-{node_rank}.outcome.json")
+
+
+def write_outcome(log_dir: str, node_rank: int, exits: dict[int, int]) -> None:
+    """Record the node's rank exits for whoever finds the attempt's controller gone (``supervision.orphans``):
+    an attempt whose ranks all ended while no controller listened is recorded by them, not as lost."""
+    try:
+        with open(outcome_path(log_dir, node_rank), "w") as f:
+            json.dump({"exits": {str(k): v for k, v in exits.items()}, "at": time.time()}, f)
+    except OSError:
+        pass
+
+
+def read_outcomes(plan: dict) -> dict[int, int] | None:
+    """Every rank's exit code from the outcome files of all the plan's nodes, or None unless every node
+    left one (readable here: local nodes, or a log directory on shared storage)."""
+    exits: dict[int, int] = {}
+    for node in plan.get("nodes") or ():
+        try:
+            with open(outcome_path(node["log_dir"], node["node_rank"])) as f:
+                exits.update({int(k): int(v) for k, v in json.load(f)["exits"].items()})
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+    return exits if len(exits) == sum(len(n.get("ranks") or ()) for n in plan.get("nodes") or ()) else None
+
+
+def remove_points(attempt_id: str, node_ranks: "Any") -> None:
+    """Remove the sockets of these nodes' agents on this machine (agents killed before they could)."""
+    for node_rank in node_ranks:
+        try:
+            os.unlink(attach_path(attempt_id, node_rank))
+        except OSError:
+            pass
 
 
 def open_link(attempt_id: str, node_rank: int, timeout: float = 5.0) -> socket.socket:

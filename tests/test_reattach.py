@@ -59,7 +59,7 @@ def test_a_killed_server_s_running_job_goes_on_under_the_next_server(orch, write
     detail = orch.json("status", job_id)  # a command meanwhile does not fail the job: a server may take it over
     assert detail["state"] == "RUNNING", detail["cause"]
     assert 50 < detail["awaiting_server"]["seconds_left"] <= 62, detail["awaiting_server"]
-    assert "takes them over without a restart" in " ".join(orch("status", job_id).stdout.split())
+    assert "takes the job over without a restart" in " ".join(orch("status", job_id).stdout.split())
     with running_server(orch):
         wait_for(lambda: any(e.kind == "reattached" for e in orch.events(job_id)), 30, "the new server to re-attach")
         reattached = time.monotonic() - killed
@@ -112,3 +112,53 @@ def test_agents_stop_their_ranks_when_no_server_comes_back_in_time(orch, write_s
     wait_for(lambda: orch.json("status", job_id)["state"] == "FAILED", 10, "a command to record the end")
     assert orch.json("status", job_id)["cause"]["kind"] == "controller_lost"
     print(f"\n[reattach] with a 3 s window and no server, every process was gone {gone:.1f} s after the kill")
+
+
+def test_a_job_that_ends_while_no_server_runs_is_recorded_as_it_ended(orch, write_spec, hostfile, monkeypatch) -> None:
+    """Every rank exits 0 after the server died and none comes back: the agents leave the exits, and the next
+    command records SUCCEEDED (not controller_lost, and no restart). The same with a rank failing: its node's
+    other rank is stopped at once, and the job is FAILED naming that rank."""
+    monkeypatch.setenv("ORCH_AGENT_REATTACH_S", "6")
+    ok = _spec(write_spec, hostfile, steps=60, WORKER_STEP_S="0.05")
+    bad = _spec(write_spec, hostfile, steps=60, WORKER_STEP_S="0.05", WORKER_FAIL_RANK="1", WORKER_FAIL_AT="30")
+    ids = []
+    for spec in (ok, bad):
+        with running_server(orch) as (proc, _url):
+            job_id = orch.json("submit", str(spec))["id"]
+            wait_for(lambda: orch.json("status", job_id)["state"] == "RUNNING" and len(_ranks(job_id)) == 3, 60,
+                     "the ranks running")
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(10)
+        ids.append(job_id)
+        wait_for(lambda: orch.json("status", job_id)["state"] in ("SUCCEEDED", "FAILED"), 30, "the end recorded")
+        assert_no_leftovers(job_id, timeout=10)
+    done, failed = (orch.json("status", j) for j in ids)
+    assert done["state"] == "SUCCEEDED" and len(done["attempts"]) == 1, done["cause"]
+    assert [r["returncode"] for r in done["ranks"]] == [0, 0, 0]
+    assert failed["state"] == "FAILED" and failed["cause"]["kind"] == "rank_exit", failed["cause"]
+    assert failed["cause"]["global_rank"] == 1 and "while no controller ran" in failed["cause"]["message"]
+    assert max(_steps(orch, ids[1], 0)) < 60  # rank 0, on rank 1's node, was stopped when rank 1 failed
+
+
+def test_a_dead_server_that_is_a_zombie_or_a_reused_pid_is_dead(tmp_path) -> None:
+    import socket
+    import subprocess
+    import sys
+    from orchestrator.supervision.orphans import owner_alive
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    wait_for(lambda: psutil.Process(child.pid).status() == psutil.STATUS_ZOMBIE, 10, "a zombie")  # (not reaped)
+    zombie = {"pid": child.pid, "host": socket.gethostname(), "create_time": psutil.Process(child.pid).create_time()}
+    assert not owner_alive(zombie)
+    child.wait()
+    me = psutil.Process()
+    assert owner_alive({"pid": me.pid, "host": socket.gethostname(), "create_time": me.create_time()})
+    assert not owner_alive({"pid": me.pid, "host": socket.gethostname(), "create_time": me.create_time() - 100})
+
+
+def test_job_ids_that_are_not_ids_are_answered_not_a_traceback(orch) -> None:
+    with running_server(orch):
+        for job in ("j\x1b[31m", "a?b", "%2e%2e", "a/b", "x[/y]z"):
+            for command in ("status", "logs", "cancel"):
+                r = orch(command, job)
+                assert r.returncode == 2 and "Traceback" not in r.stderr, (job, command, r.stderr[-500:])
+                assert f"No job {job!r}" in r.stderr or "Not Found" not in r.stderr, (job, r.stderr)

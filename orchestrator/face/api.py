@@ -191,6 +191,10 @@ def _job_routes(controller: Controller) -> APIRouter:
              limit: int = 1 << 20) -> dict[str, Any]:
         return hidden(store.get_job(job_id), read_log(store, job_id, rank, attempt, offset, limit))
 
+    @api.get("/{job_id}/stacks")
+    def stacks(job_id: str, rank: int | None = None) -> dict[str, Any]:
+        return hidden(store.get_job(job_id), controller.stacks(job_id, rank))
+
     @api.get("/{job_id}/progress")
     def progress(job_id: str, attempt: int | None = None, since: int = 0, limit: int = 20_000) -> dict[str, Any]:
         job = store.get_job(job_id)

@@ -42,6 +42,9 @@ def next_steps(detail: dict[str, Any]) -> list[str]:
         return [f"free what the ranks wait on (named above: a build lock to delete, a master that is not up), then: "
                 f"orch resume {job}; if the script reports no step at all (no agents.report, no DeepSpeed engine, no "
                 "step=<n> line), run it with startup_timeout: null"]
+    if kind in ("controller_lost", "controller_stalled"):  # orch's own trouble: nothing in the job to fix
+        return [f"resume from the last complete checkpoint: orch resume {job} (nothing in the job to fix: its "
+                "controller died or stalled; under orch server, run a server on this state dir to have it done)"]
     if kind == "store_full":
         return [f"free space on the state directory's disk (the cause names it), then: orch resume {job}"]
     if kind == "provision_failed":

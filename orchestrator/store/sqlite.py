@@ -274,7 +274,7 @@ class Store(CheckpointLedger):
                     ids = ", ".join(r["id"] for r in rows[:10])
                     raise NotFoundError(f"Job id '{job_id}' is ambiguous: it matches {ids}.")
         if row is None:
-            raise NotFoundError(f"No job '{job_id}' in {self.path}; `orch list` shows the jobs.")
+            raise NotFoundError(f"No job {job_id!r} in {self.path}; `orch list` shows the jobs.")
         return self._job(row)
 
     def list_jobs(self, limit: int = 100) -> list[JobRecord]:
@@ -319,7 +319,7 @@ class Store(CheckpointLedger):
         with self._tx() as db:
             row = db.execute("SELECT state, attempt FROM jobs WHERE id = ?", (job_id,)).fetchone()
             if row is None:
-                raise NotFoundError(f"No job '{job_id}'.")
+                raise NotFoundError(f"No job {job_id!r}.")
             old = JobState(row["state"])
             check_transition(job_id, old, new)
             attempt = row["attempt"]

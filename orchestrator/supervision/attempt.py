@@ -33,7 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import OrchError, StoreFullError
+from ..errors import NotFoundError, OrchError, StoreFullError
 from ..observe import ControllerMetrics, TargetsWriter, attempt_targets
 from ..planning import JobPlan
 from ..provisioners import AgentHandle, Provisioner
@@ -120,6 +120,8 @@ class AttemptRun(AttemptMessages):
         self._reattach_by: float | None = None  # adopting: when every agent must have answered
         self.previous_server: str | None = None  # adopting: the URL of the server that died
         self._recorded_state: JobState | None = None  # adopting: the job's state in the store then
+        self._stack_requests: list[dict] = []  # orch stacks: {"waiting": nodes, "answers": {node: msg}, "done": Event}
+        self._stack_lock = threading.Lock()
         self._thread = threading.Thread(target=self._main, name=f"attempt-{plan.attempt_id}", daemon=True)
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -250,6 +252,57 @@ class AttemptRun(AttemptMessages):
         for node_rank, handle in self.agents.items():
             if self.node_state[node_rank] not in ENDED:
                 handle.send({"type": "ping"})
+
+    def stacks(self, timeout: float = 30.0) -> dict[int, dict]:
+        """Every running rank's Python stacks now (``orch stacks``): each running node's agent dumps its ranks
+        (``py-spy``, files next to their logs) and answers; returns node rank -> its ``dumped`` message, for
+        the nodes that answered within ``timeout`` seconds (none while the ranks are not running)."""
+        running = [n for n, st in self.node_state.items() if st == "running"]
+        request = {"waiting": set(running), "answers": {}, "done": threading.Event()}
+        if not running:
+            return {}
+        with self._stack_lock:
+            self._stack_requests.append(request)
+        for node_rank in running:
+            self.agents[node_rank].send({"type": "dump"})
+        request["done"].wait(timeout)
+        with self._stack_lock:
+            if request in self._stack_requests:
+                self._stack_requests.remove(request)
+        return dict(request["answers"])
+
+    def stack_report(self, rank: int | None = None, timeout: float = 30.0) -> dict[str, Any]:
+        """:meth:`stacks`, per rank (all, or ``rank``'s): ``{"job", "attempt", "ranks": {rank: {"file", "where",
+        "doing", "kind", "frames"} | {"error"}}, "silent_nodes": [node ranks that did not answer in time]}``.
+
+        Raises:
+            NotFoundError: the attempt has no such rank.
+        """
+        if rank is not None and rank not in self._rank_node:
+            raise NotFoundError(f"Job {self.job_id} has no rank {rank} (world size {self.plan.world_size}).")
+        answers = self.stacks(timeout)
+        ranks: dict[str, Any] = {}
+        for msg in answers.values():
+            for r, summary in (msg.get("summaries") or {}).items():
+                ranks[r] = {"file": (msg.get("files") or {}).get(r), **summary}
+            for r, error in (msg.get("errors") or {}).items():
+                ranks[r] = {"error": error}
+        if rank is not None:
+            ranks = {k: v for k, v in ranks.items() if k == str(rank)}
+        running = {n for n, st in self.node_state.items() if st == "running"}
+        return {"job": self.job_id, "attempt": self.plan.attempt,
+                "ranks": dict(sorted(ranks.items(), key=lambda kv: int(kv[0]))), "silent_nodes": sorted(running - set(answers))}
+
+    def _stacks_answered(self, node_rank: int, msg: dict) -> None:
+        """A node's ``dumped``: it answers every ``orch stacks`` request waiting for it."""
+        with self._stack_lock:
+            for request in list(self._stack_requests):
+                if node_rank in request["waiting"]:
+                    request["waiting"].discard(node_rank)
+                    request["answers"][node_rank] = msg
+                    if not request["waiting"]:
+                        request["done"].set()
+                        self._stack_requests.remove(request)
 
     # -- preflight ----------------------------------------------------------------------------
 

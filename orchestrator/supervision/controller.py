@@ -426,6 +426,16 @@ class Controller:
                 self.store.mark_stopped(job.id, job.attempt)
         return self.store.get_job(job.id)
 
+    def stacks(self, job_id: str, rank: int | None = None, timeout: float = 30.0) -> dict[str, Any]:
+        """Every running rank's (or ``rank``'s) Python stacks now (``orch stacks``; the report:
+        :meth:`~.attempt.AttemptRun.stack_report`). Raises NotFoundError (no such job or rank), StateError (this
+        controller does not run it now)."""
+        job = self.store.get_job(job_id)
+        if (run := self.active_run(job.id)) is None or run.state != JobState.RUNNING:
+            raise StateError(f"Job {job.id} is {job.state.value}, not running under this controller: there are no "
+                             "stacks to dump (orch logs shows what its ranks printed).")
+        return run.stack_report(rank, timeout)
+
     def wait(self, job_id: str, timeout: float | None = None) -> JobRecord:
         """Wait until the job's current attempt ended, its processes are gone and no automatic
         restart is pending (a restart's attempt is waited for too)."""

@@ -14,6 +14,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from agents.ranks import describe_returncode
+
 from ..store import JobState
 
 __all__ = ["AttemptMessages", "rank_log_tail"]
@@ -82,8 +84,9 @@ class AttemptMessages:
         self.agents[node_rank].pid = msg.get("pid")
         self._event("agent_reattached", {"node_rank": node_rank, "host": self._host(node_rank), "pid": msg.get("pid"),
                                          "ranks": msg.get("ranks", []), "detached_s": msg.get("detached_s")})
-        for rank, code in sorted((msg.get("exits") or {}).items()):
-            self._on_rank_exit(node_rank, {"global_rank": int(rank), "returncode": int(code)})
+        for rank, code in sorted((msg.get("exits") or {}).items(), key=lambda kv: int(kv[0])):
+            self._on_rank_exit(node_rank, {"global_rank": int(rank), "returncode": int(code),
+                                           "how": describe_returncode(int(code))})
         if not any(s == "reattaching" for s in self.node_state.values()):
             self._reattach_by = None
             if self._recorded_state == JobState.PROVISIONING:  # it died after the ranks started, before it said so
@@ -171,6 +174,7 @@ class AttemptMessages:
 
     def _on_dumped(self, node_rank: int, msg: dict) -> None:
         self.progress.dumped(node_rank, msg)
+        self._stacks_answered(node_rank, msg)
 
     def _on_heartbeat(self, node_rank: int, msg: dict) -> None:
         if self._preflight is not None and self._preflight.phase != "done":

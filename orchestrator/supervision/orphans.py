@@ -14,7 +14,8 @@ from typing import Any
 import psutil
 
 from agents import cgroups
-from agents.ranks import kill_marked
+from agents.attach import read_outcomes, remove_points
+from agents.ranks import describe_returncode, kill_marked
 
 from ..errors import OrchError, StateError
 from ..store import JobState, Store
@@ -42,11 +43,15 @@ def recover_orphans(store: Store, patient: bool = True) -> list[str]:
             continue
         if job.attempt:
             sweep_attempt(store, job.id, job.attempt)
+            if _record_outcome(store, job):
+                recovered.append(job.id)
+                continue
         server = (job.owner or {}).get("url")
         cause = {"kind": "controller_lost", "server": server,
                  "message": f"the controller running this job ({'orch server at ' + server if server else 'orch run'}) "
                  "went away; its agents stopped the ranks. Continue from the last checkpoint with: "
-                 f"orch resume {job.id}" + (" (an orch server restarts it if its restart policy says so)"
+                 f"orch resume {job.id}" + (" (an orch server started on this state dir restarts it from there: the controller's "
+                                            "death is orch's own trouble, restarted whatever the restart policy says)"
                                             if server else "")}
         queued = waits_for_nodes(store, job)
         try:
@@ -60,6 +65,39 @@ def recover_orphans(store: Store, patient: bool = True) -> list[str]:
     return recovered
 
 
+def _record_outcome(store: Store, job: Any) -> bool:
+    """Record the end the agents left (``agents.attach.write_outcome``) when every rank of the attempt ended
+    while no controller listened: SUCCEEDED if each exited 0, else FAILED naming the first rank that failed
+    by itself (a rank its agent stopped after that failure shows a signal). False when they left none."""
+    try:
+        plan = store.get_attempt(job.id, job.attempt).plan
+    except OrchError:
+        return False
+    exits = read_outcomes(plan)
+    if exits is None:
+        return False
+    hosts = {r["global_rank"]: (n["host"], n["node_rank"]) for n in plan["nodes"] for r in n["ranks"]}
+    for rank, code in sorted(exits.items()):
+        store.add_event(job.id, job.attempt, "rank_exit", {"global_rank": rank, "node_rank": hosts[rank][1],
+                        "host": hosts[rank][0], "returncode": code, "how": describe_returncode(code),
+                        "during_teardown": False, "while_no_controller": True})
+    failed = sorted(exits.items(), key=lambda kv: (kv[1] <= 0, kv[0]))
+    rank, code = failed[0]
+    try:
+        if code == 0:
+            store.set_state(job.id, JobState.SUCCEEDED)
+        else:
+            store.set_state(job.id, JobState.FAILED, cause={
+                "kind": "rank_exit", "global_rank": rank, "node": hosts[rank][0], "node_rank": hosts[rank][1],
+                "returncode": code, "message": f"rank {rank} on {hosts[rank][0]} (node {hosts[rank][1]}) exited with "
+                f"{describe_returncode(code)} while no controller ran (its server had died; its agents recorded it)"})
+    except StateError:
+        return True  # someone else recorded an end meanwhile
+    store.mark_stopped(job.id, job.attempt)
+    store.set_owner(job.id, None)
+    return True
+
+
 def sweep_attempt(store: Store, job_id: str, attempt: int) -> list[int]:
     """Kill what is left of the attempt on this machine: its nodes' cgroups (``agents.cgroups``), its agents
     (which may be awaiting a new server) and its ranks, by their markers."""
@@ -68,8 +106,10 @@ def sweep_attempt(store: Store, job_id: str, attempt: int) -> list[int]:
         nodes = range(len(store.get_attempt(job_id, attempt).plan.get("nodes") or ()))
     except OrchError:
         nodes = range(0)
-    return (cgroups.sweep(attempt_id, nodes) + kill_marked(attempt_id, key="ORCH_AGENT_ATTEMPT_ID")
-            + kill_marked(attempt_id))
+    killed = (cgroups.sweep(attempt_id, nodes) + kill_marked(attempt_id, key="ORCH_AGENT_ATTEMPT_ID")
+              + kill_marked(attempt_id))
+    remove_points(attempt_id, nodes)  # (the sockets of agents killed before they could remove them)
+    return killed
 
 
 def waits_for_nodes(store: Store, job: Any) -> bool:
@@ -89,6 +129,8 @@ def owner_alive(owner: dict[str, Any] | None) -> bool:
         return True
     try:
         proc = psutil.Process(int(owner["pid"]))
+        if proc.status() == psutil.STATUS_ZOMBIE:  # dead, only not reaped by its parent yet
+            return False
         return abs(proc.create_time() - float(owner.get("create_time", proc.create_time()))) < 1.0
-    except (psutil.NoSuchProcess, psutil.AccessDenied, KeyError, ValueError):
+    except (psutil.NoSuchProcess, psutil.AccessDenied, KeyError, ValueError, TypeError):
         return False

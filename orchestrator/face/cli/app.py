@@ -27,7 +27,7 @@ from .jobs import cmd_cancel, cmd_plan, cmd_resume, cmd_run, cmd_submit
 from .options import common_options, host_list, job_arguments, positive_int, seconds_arg, tcp_port
 from .output import Parser, err_console, print_json, printable
 from .server import DEFAULT_PORT, cmd_server
-from .show import cmd_list, cmd_logs, cmd_status
+from .show import cmd_list, cmd_logs, cmd_stacks, cmd_status
 
 __all__ = ["main"]
 
@@ -93,6 +93,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--attempt", type=int, default=None, help="attempt number (default: the latest)")
     sp.add_argument("--follow", "-f", action="store_true", help="keep printing new lines until the attempt stops")
     sp.add_argument("--tail", type=positive_int, default=None, metavar="N", help="only the last N lines of each log")
+    sp = add("stacks", cmd_stacks, "Show what every running rank of a job (or one) is doing now: its Python "
+             "stacks, innermost frame first (py-spy dump, through the job's agents; every thread in a file next to "
+             "the rank's log).")
+    sp.add_argument("job", help="job id (or a unique prefix)")
+    sp.add_argument("--rank", type=int, default=None, help="only this global rank")
     sp = add("cancel", cmd_cancel, "Cancel a job: every rank on every node is stopped within the grace period.")
     sp.add_argument("job", help="job id (or a unique prefix)")
     sp.add_argument("--wait", type=seconds_arg, default=0, metavar="SECONDS",

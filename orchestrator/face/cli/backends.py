@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
+import socket
 import time
 from pathlib import Path
+from urllib.parse import quote
 from typing import Any
 
 from .output import UsageError
@@ -66,14 +70,40 @@ class StoreBackend:
         if left > 0:
             detail["awaiting_server"] = {
                 "seconds_left": round(left, 1), "server": (job.owner or {}).get("url"),
-                "message": f"its orch server ({(job.owner or {}).get('url')}) is gone; its ranks run on, and an orch "
-                           f"server started on this state dir within {left:.0f} s takes them over without a restart "
-                           "(after that they stop, and the job is marked FAILED: controller_lost)"}
+                "message": f"its orch server ({(job.owner or {}).get('url')}) is gone; its agents keep its ranks (or, if "
+                           f"they ended, their exits), and an orch server started on this state dir within {left:.0f} s "
+                           "takes the job over without a restart (after that, running ranks are stopped and the job "
+                           "is marked FAILED: controller_lost)"}
         return detail
 
     def logs(self, job_id: str, rank: int, attempt: int | None, offset: int) -> dict:
         from ...observe import read_log
         return read_log(self.store, job_id, rank, attempt, offset)
+
+    def stacks(self, job_id: str, rank: int | None) -> dict:
+        """No server: dump the stacks of the job's running ranks that run on this machine (a local job run by
+        ``orch run``), with py-spy directly, into each rank's stacks file next to its log.
+
+        Raises:
+            UsageError: the job runs on other machines (ask its server), or is not running.
+        """
+        from agents.stacks import dump_all
+        detail = self.detail(job_id)
+        if detail["state"] != "RUNNING":
+            raise UsageError(f"Job {detail['id']} is {detail['state']}, not running: there are no stacks to dump "
+                             "(orch logs shows what its ranks printed).")
+        provisioner = (detail.get("spec") or {}).get("provisioner", "local")
+        if provisioner != "local":
+            raise UsageError(f"Job {detail['id']} runs on other machines ({provisioner} provisioner) "
+                             "and no orch server runs it: dump its stacks on the nodes (py-spy dump --pid PID).")
+        wanted = [r for r in detail["ranks"] if r["state"] == "running" and r.get("pid")
+                  and (rank is None or r["global_rank"] == rank)]
+        if rank is not None and not any(r["global_rank"] == rank for r in detail["ranks"]):
+            raise UsageError(f"Job {detail['id']} has no rank {rank} (world size {detail.get('world_size')}).")
+        log_dir = os.path.join(detail["run_dir"], "logs")
+        procs = [type("Rank", (), {"global_rank": r["global_rank"], "pid": r["pid"]})() for r in wanted]
+        return {"job": detail["id"], "attempt": detail["attempt"], "silent_nodes": [],
+                "ranks": dict(sorted(dump_all(procs, log_dir).items(), key=lambda kv: int(kv[0])))}
 
     def cancel(self, job_id: str) -> dict:
         from ...supervision import Controller
@@ -84,6 +114,19 @@ class StoreBackend:
         finally:
             c.close(cancel=False)
         return self.detail(job_id)
+
+
+def _job(job_id: str) -> str:
+    """A job id (or prefix) as one path segment of a URL.
+
+    Raises:
+        NotFoundError: it has characters no job id has (ids are a job name, ``[A-Za-z0-9._-]``, and 6 hex digits).
+    """
+    from ...errors import NotFoundError
+    if not re.fullmatch(r"[A-Za-z0-9._-]+", job_id):
+        raise NotFoundError(f"No job {job_id!r}: a job id has only letters, digits, '.', '_' and '-'; `orch list` "
+                            "shows the jobs.")
+    return quote(job_id, safe="")
 
 
 class HttpBackend:
@@ -126,25 +169,30 @@ class HttpBackend:
         return self._call("GET", "/api/jobs", params={"limit": limit})
 
     def detail(self, job_id: str) -> dict:
-        return self._call("GET", f"/api/jobs/{job_id}")
+        return self._call("GET", f"/api/jobs/{_job(job_id)}")
 
     def logs(self, job_id: str, rank: int, attempt: int | None, offset: int) -> dict:
         params: dict[str, Any] = {"rank": rank, "offset": offset}
         if attempt:
             params["attempt"] = attempt
-        return self._call("GET", f"/api/jobs/{job_id}/logs", params=params)
+        return self._call("GET", f"/api/jobs/{_job(job_id)}/logs", params=params)
+
+    def stacks(self, job_id: str, rank: int | None) -> dict:
+        """Every running rank's stacks now, dumped by the server's agents (``Controller.stacks``)."""
+        return self._call("GET", f"/api/jobs/{_job(job_id)}/stacks", params={} if rank is None else {"rank": rank},
+                          timeout=60)
 
     def cancel(self, job_id: str) -> dict:
-        return self._call("POST", f"/api/jobs/{job_id}/cancel")
+        return self._call("POST", f"/api/jobs/{_job(job_id)}/cancel")
 
     def resume(self, job_id: str, exclude: list[str], fresh: bool = False) -> dict:
         # no time limit: the server may first convert the checkpoint for a new world size (minutes)
-        return self._call("POST", f"/api/jobs/{job_id}/resume", json={"exclude": exclude, "fresh": fresh},
+        return self._call("POST", f"/api/jobs/{_job(job_id)}/resume", json={"exclude": exclude, "fresh": fresh},
                           timeout=None)
 
     def resume_preview(self, job_id: str, exclude: list[str]) -> dict:
         # no time limit: hashing a large checkpoint against its manifest takes a while
-        return self._call("GET", f"/api/jobs/{job_id}/resume-preview", params={"exclude": ",".join(exclude)},
+        return self._call("GET", f"/api/jobs/{_job(job_id)}/resume-preview", params={"exclude": ",".join(exclude)},
                           timeout=None)
 
     def submit(self, spec: dict, source: str, key: str) -> dict:
@@ -176,10 +224,10 @@ def find_server(args: argparse.Namespace) -> str | None:
     path = server_file(state_dir_of(args))
     try:
         info = json.loads(path.read_text())
-        import psutil
-        if psutil.pid_exists(int(info["pid"])):
+        from ...supervision.orphans import owner_alive
+        if owner_alive({**info, "host": socket.gethostname()}):  # the same process (not a reused pid, not a zombie)
             return str(info["url"])
-    except (OSError, ValueError, KeyError):
+    except (OSError, ValueError, KeyError, TypeError):
         pass
     return None
 

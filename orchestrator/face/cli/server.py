@@ -135,9 +135,11 @@ def cmd_server(args: argparse.Namespace) -> int:
         err_console.print(f"warning: cannot write the Prometheus targets of this server into "
                    f"{controller.targets.directory}: {err.strerror or err}", markup=False, highlight=False)
     for job_id in controller.recover():
-        then = "its restart policy restarts it" if controller.busy(job_id) else "resume it with orch resume"
-        err_console.print(f"job {job_id}: its controller had gone away; marked FAILED ({then})",
-                   markup=False, highlight=False)
+        state = controller.get(job_id).state.value
+        then = "" if state == "SUCCEEDED" else " (it is restarted)" if controller.busy(job_id) else \
+            " (resume it with orch resume)"
+        err_console.print(f"job {job_id}: its controller had gone away; marked {state}{then}",
+                          markup=False, highlight=False)
     server_file(state_dir).write_text(json.dumps({"url": url, "pid": os.getpid(),
                                                    "create_time": psutil.Process().create_time()}))
     fixed = make_private(state_dir, walk=True, keep=(controller.targets.directory,))  # from before: 0600/0700

@@ -103,3 +103,27 @@ def _write_lines(data: str, prefix: str, tail: int | None) -> None:
         lines = lines[-tail:]
     sys.stdout.write("".join(f"{prefix}{printable(ln)}\n" for ln in lines))
     sys.stdout.flush()
+
+
+def cmd_stacks(args: argparse.Namespace) -> int:
+    """``orch stacks JOB [--rank N]``: what every running rank (or one) is doing now, from py-spy dumps."""
+    report = pick_backend(args).stacks(args.job, args.rank)
+    if args.output == "json":
+        print_json(report)
+        return 0
+    c = console
+    if not report["ranks"]:
+        c.print(f"job {report['job']}: no running rank to dump", markup=False, highlight=False)
+    for rank, d in report["ranks"].items():
+        if d.get("error"):
+            c.print(f"rank {rank}: cannot dump its stacks: {d['error']}", markup=False, highlight=False)
+            continue
+        c.print(Text(f"rank {rank}: {d.get('doing') or 'in ' + str(d.get('where') or '?')}", style="bold"))
+        for frame in d.get("frames") or []:
+            c.print(f"    {frame}", markup=False, highlight=False)
+        if d.get("file"):
+            c.print(f"  (every thread: {d['file']})", markup=False, highlight=False)
+    if report.get("silent_nodes"):
+        c.print(f"node(s) {', '.join(map(str, report['silent_nodes']))} did not answer in time", markup=False,
+                highlight=False, style="yellow")
+    return 0
