@@ -43,6 +43,17 @@ def _steps(orch, job_id: str, rank: int) -> list[int]:
     return [int(s) for s in STEP.findall(orch("logs", job_id, "--rank", str(rank)).stdout)]
 
 
+def _submit_then_kill_the_server(orch, spec) -> str:
+    """Submit under a server, wait for the 3 ranks and RUNNING, kill -9 the server; the job's id."""
+    with running_server(orch) as (proc, _url):
+        job_id = orch.json("submit", str(spec))["id"]
+        wait_for(lambda: len(_ranks(job_id)) == 3 and orch.json("status", job_id)["state"] == "RUNNING", 60,
+                 "the ranks running")
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+    return job_id
+
+
 def test_a_killed_server_s_running_job_goes_on_under_the_next_server(orch, write_spec, hostfile) -> None:
     spec = _spec(write_spec, hostfile, steps=150)
     with running_server(orch) as (proc, _url):
@@ -80,12 +91,7 @@ def test_a_killed_server_s_running_job_goes_on_under_the_next_server(orch, write
 
 def test_ranks_that_fail_while_no_server_runs_are_reported_by_the_next(orch, write_spec, hostfile) -> None:
     spec = _spec(write_spec, hostfile, steps=400, WORKER_FAIL_RANK="2", WORKER_FAIL_AT="60")
-    with running_server(orch) as (proc, _url):
-        job_id = orch.json("submit", str(spec))["id"]
-        wait_for(lambda: len(_ranks(job_id)) == 3 and orch.json("status", job_id)["state"] == "RUNNING", 60,
-                 "the ranks running")
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(10)
+    job_id = _submit_then_kill_the_server(orch, spec)
     wait_for(lambda: len(_ranks(job_id)) == 2, 60, "rank 2 to fail on its own")
     with running_server(orch):
         wait_for(lambda: orch.json("status", job_id)["state"] == "FAILED", 30, "the job to fail")
@@ -98,13 +104,8 @@ def test_ranks_that_fail_while_no_server_runs_are_reported_by_the_next(orch, wri
 def test_agents_stop_their_ranks_when_no_server_comes_back_in_time(orch, write_spec, hostfile, monkeypatch) -> None:
     monkeypatch.setenv("ORCH_AGENT_REATTACH_S", "3")
     spec = _spec(write_spec, hostfile, steps=3000)
-    with running_server(orch) as (proc, _url):
-        job_id = orch.json("submit", str(spec))["id"]
-        wait_for(lambda: len(_ranks(job_id)) == 3 and orch.json("status", job_id)["state"] == "RUNNING", 60,
-                 "the ranks running")
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(10)
-        killed = time.monotonic()
+    job_id = _submit_then_kill_the_server(orch, spec)
+    killed = time.monotonic()
     assert_no_leftovers(job_id, timeout=15)
     gone = time.monotonic() - killed
     assert 2.5 < gone < 10, gone
@@ -123,12 +124,7 @@ def test_a_job_that_ends_while_no_server_runs_is_recorded_as_it_ended(orch, writ
     bad = _spec(write_spec, hostfile, steps=60, WORKER_STEP_S="0.05", WORKER_FAIL_RANK="1", WORKER_FAIL_AT="30")
     ids = []
     for spec in (ok, bad):
-        with running_server(orch) as (proc, _url):
-            job_id = orch.json("submit", str(spec))["id"]
-            wait_for(lambda: orch.json("status", job_id)["state"] == "RUNNING" and len(_ranks(job_id)) == 3, 60,
-                     "the ranks running")
-            proc.send_signal(signal.SIGKILL)
-            proc.wait(10)
+        job_id = _submit_then_kill_the_server(orch, spec)
         ids.append(job_id)
         wait_for(lambda: orch.json("status", job_id)["state"] in ("SUCCEEDED", "FAILED"), 30, "the end recorded")
         assert_no_leftovers(job_id, timeout=10)

@@ -349,24 +349,32 @@ class SSHProvisioner(Provisioner):
             ProvisionError: the node cannot be reached, its host key is unknown or changed,
                 the login is refused, or the command cannot be started.
         """
-        t = self.target(node.host)
-        client = self._connect(t)
-        with self._lock:
-            self._clients[node.node_rank] = client
-        python = self.python
         log_dir = os.path.join(plan.run_dir, "agents")
         os.makedirs(log_dir, exist_ok=True)
         # a missing workdir is the preflight's to report (with the node's other problems): start in / then
         command = (f"cd {shlex.quote(node.workdir)} || cd /; exec env ORCH_AGENT_ATTEMPT_ID={shlex.quote(plan.attempt_id)} "
-                   f"ORCH_AGENT_NODE_RANK={node.node_rank} {shlex.quote(python)} -u -m agents.agent")
+                   f"ORCH_AGENT_NODE_RANK={node.node_rank} {shlex.quote(self.python)} -u -m agents.agent")
+        return self._agent(node, plan, events, command, "start the agent")
+
+    def _agent(self, node: NodePlan, plan: JobPlan, events: "queue.Queue[tuple[int, dict]]", command: str,
+               what: str) -> SSHAgent:
+        """Connect to the node and run ``command`` (the agent, or the bridge to it) on a channel of its own.
+
+        Raises:
+            ProvisionError: the node cannot be reached, or the command cannot be started (``what`` says which).
+        """
+        t = self.target(node.host)
+        client = self._connect(t)
+        with self._lock:
+            self._clients[node.node_rank] = client
         try:
             channel = client.get_transport().open_session(timeout=t.timeout)
             channel.exec_command(command)
         except (OSError, paramiko.SSHException) as err:
-            raise ProvisionError(f"cannot start the agent on {t.host}: {err}",
-                                 reason=f"cannot start the agent: {err}") from err
-        return SSHAgent(node, t, client, channel, events, os.path.join(log_dir, f"node-{node.node_rank}.log"),
-                        python, plan.attempt_id)
+            raise ProvisionError(f"cannot {what} on {t.host}: {err}", reason=f"cannot {what}: {err}") from err
+        return SSHAgent(node, t, client, channel, events, os.path.join(plan.run_dir, "agents",
+                                                                        f"node-{node.node_rank}.log"),
+                        self.python, plan.attempt_id)
 
     def attach_agent(self, node: NodePlan, plan: JobPlan,
                      events: "queue.Queue[tuple[int, dict]]") -> AgentHandle:
@@ -377,20 +385,9 @@ class SSHProvisioner(Provisioner):
             ProvisionError: the node cannot be reached, or the bridge cannot be started there (a bridge that
                 finds no agent exits at once, which the attempt hears as its link closing).
         """
-        t = self.target(node.host)
-        client = self._connect(t)
-        with self._lock:
-            self._clients[node.node_rank] = client
         command = (f"cd / && exec {shlex.quote(self.python)} -u -m agents.attach {shlex.quote(plan.attempt_id)} "
                    f"{node.node_rank}")
-        try:
-            channel = client.get_transport().open_session(timeout=t.timeout)
-            channel.exec_command(command)
-        except (OSError, paramiko.SSHException) as err:
-            raise ProvisionError(f"cannot re-attach to the agent on {t.host}: {err}",
-                                 reason=f"cannot re-attach: {err}") from err
-        agent = SSHAgent(node, t, client, channel, events,
-                         os.path.join(plan.run_dir, "agents", f"node-{node.node_rank}.log"), self.python, plan.attempt_id)
+        agent = self._agent(node, plan, events, command, "re-attach to the agent")
         agent.send(attach_request(plan.attempt_id, node.node_rank))
         return agent
 

@@ -263,6 +263,8 @@ class Store(CheckpointLedger):
         Raises:
             NotFoundError: no job matches, or a prefix matches several (they are listed).
         """
+        if not job_id.isprintable() or any("\ud800" <= c <= "\udfff" for c in job_id):  # (argv's undecodable bytes)
+            raise NotFoundError(f"No job {job_id!r} in {self.path}; `orch list` shows the jobs.")
         with self._lock:
             row = self._db.execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone()
             if row is None:

@@ -44,6 +44,23 @@ def _submit_and_list(add: Callable[..., argparse.ArgumentParser]) -> None:
     sp.add_argument("--all", action="store_true", help="every job")
 
 
+def _server_options(sp: argparse.ArgumentParser) -> None:
+    """``orch server``'s options."""
+    sp.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1, this machine "
+                    "only); any other address needs --tls-cert/--tls-key or --insecure-http")
+    sp.add_argument("--tls-cert", metavar="PEM", default=None, help="serve HTTPS with this certificate (chain)")
+    sp.add_argument("--tls-key", metavar="PEM", default=None, help="the certificate's private key")
+    sp.add_argument("--insecure-http", action="store_true",
+                    help="serve plain HTTP on a non-loopback --host anyway (a warning on every start)")
+    sp.add_argument("--allowed-host", action="append", metavar="NAME", default=None,
+                    help="one more Host header value to answer to (a DNS alias or proxy name; repeatable); "
+                         "loopback and this machine's names and addresses are always allowed")
+    sp.add_argument("--port", type=tcp_port, default=DEFAULT_PORT, help=f"port to listen on (default {DEFAULT_PORT})")
+    sp.add_argument("--prometheus-targets", metavar="DIR", default=None,
+                    help="directory for the Prometheus file_sd files of running attempts and of this server "
+                         "(default $ORCH_PROMETHEUS_TARGETS or <state dir>/prometheus/targets; see docs/metrics.md)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     common = Parser(add_help=False)
     common_options(common, top=False)
@@ -71,19 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     job_arguments(sp)
     sp = add("server", cmd_server, "Run the controller as a service: the HTTP API, the web dashboard (/) and "
              "the controller's Prometheus metrics (/metrics).")
-    sp.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1, this machine "
-                    "only); any other address needs --tls-cert/--tls-key or --insecure-http")
-    sp.add_argument("--tls-cert", metavar="PEM", default=None, help="serve HTTPS with this certificate (chain)")
-    sp.add_argument("--tls-key", metavar="PEM", default=None, help="the certificate's private key")
-    sp.add_argument("--insecure-http", action="store_true",
-                    help="serve plain HTTP on a non-loopback --host anyway (a warning on every start)")
-    sp.add_argument("--allowed-host", action="append", metavar="NAME", default=None,
-                    help="one more Host header value to answer to (a DNS alias or proxy name; repeatable); "
-                         "loopback and this machine's names and addresses are always allowed")
-    sp.add_argument("--port", type=tcp_port, default=DEFAULT_PORT, help=f"port to listen on (default {DEFAULT_PORT})")
-    sp.add_argument("--prometheus-targets", metavar="DIR", default=None,
-                    help="directory for the Prometheus file_sd files of running attempts and of this server "
-                         "(default $ORCH_PROMETHEUS_TARGETS or <state dir>/prometheus/targets; see docs/metrics.md)")
+    _server_options(sp)
     _submit_and_list(add)
     sp = add("status", cmd_status, "Show a job: its attempts, their causes, and every rank's state and progress.")
     sp.add_argument("job", help="job id (or a unique prefix)")
