@@ -31,7 +31,9 @@ def recover_orphans(store: Store, patient: bool = True) -> list[str]:
     no longer running on this host. Its local agents stopped their ranks when their link
     to that controller closed (or when its lease ran out); any process still marked with
     the attempt's id is killed here. The job becomes FAILED with cause ``controller_lost``,
-    so ``orch resume`` can continue it. Called by ``orch server`` at start and every few
+    so ``orch resume`` can continue it; unless every rank ended while no controller listened,
+    whose exits the agents recorded (:func:`_record_outcome`): then it ends as they did.
+    Called by ``orch server`` at start and every few
     seconds, and by CLI commands that work on the state directory without a server.
 
     ``patient``: leave alone a job whose ranks may still be taken over by a new server
