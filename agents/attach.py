@@ -33,7 +33,7 @@ from typing import Any, Callable
 
 from .link import MessageReader, MessageWriter
 
-__all__ = ["attach_dir", "attach_path", "private_dir", "AttachPoint", "RelinkWriter", "attach_request", "main",
+__all__ = ["attach_dir", "attach_path", "node_key", "private_dir", "AttachPoint", "RelinkWriter", "attach_request", "main",
            "write_outcome", "read_outcomes", "remove_points"]
 
 #: Message types a detached agent does not keep (each is superseded by the next, or means nothing later).
@@ -45,11 +45,15 @@ def attach_dir() -> str:
     return os.path.join(tempfile.gettempdir(), f"orch-agents-{os.getuid()}")
 
 
+def node_key(attempt_id: str, node_rank: int) -> str:
+    """24 hex digits naming one node of one attempt: the agent's socket and its cgroup's record are called by it
+    (a hash keeps a socket's path within the 107 bytes a Unix socket address may have)."""
+    return hashlib.sha256(f"{attempt_id}\0{node_rank}".encode()).hexdigest()[:24]
+
+
 def attach_path(attempt_id: str, node_rank: int) -> str:
-    """Where the agent of ``node_rank`` in attempt ``attempt_id`` listens on its node (a hash keeps the
-    path within the 107 bytes a Unix socket address may have)."""
-    digest = hashlib.sha256(f"{attempt_id}\0{node_rank}".encode()).hexdigest()[:24]
-    return os.path.join(attach_dir(), f"{digest}.sock")
+    """Where the agent of ``node_rank`` in attempt ``attempt_id`` listens on its node."""
+    return os.path.join(attach_dir(), f"{node_key(attempt_id, node_rank)}.sock")
 
 
 def private_dir(path: str) -> None:
@@ -84,11 +88,6 @@ class RelinkWriter:
         self._writer: MessageWriter | None = writer
         self._kept: collections.deque[dict] = collections.deque(maxlen=keep)
         self._lock = threading.Lock()
-
-    @property
-    def linked(self) -> bool:
-        """Whether a controller is linked now."""
-        return self._writer is not None
 
     def send(self, msg: dict[str, Any]) -> bool:
         """Send to the linked controller, or keep for the next one."""

@@ -19,13 +19,12 @@ layers remain.
 from __future__ import annotations
 
 import errno
-import hashlib
 import os
 import signal
 import time
 from typing import Iterable
 
-from .attach import attach_dir, private_dir
+from .attach import attach_dir, node_key, private_dir
 
 __all__ = ["AttemptCgroup", "sweep", "v2_root"]
 
@@ -54,8 +53,7 @@ def own_cgroup(proc_cgroup: str = "/proc/self/cgroup") -> str | None:
 
 
 def _record(attempt_id: str, node_rank: int) -> str:
-    digest = hashlib.sha256(f"{attempt_id}\0{node_rank}".encode()).hexdigest()[:24]
-    return os.path.join(attach_dir(), f"{digest}.cgroup")
+    return os.path.join(attach_dir(), f"{node_key(attempt_id, node_rank)}.cgroup")
 
 
 class AttemptCgroup:
@@ -77,8 +75,7 @@ class AttemptCgroup:
         root, own = v2_root(), own_cgroup()
         if root is None or own is None:
             return None, "this node has no cgroup v2 hierarchy"
-        digest = hashlib.sha256(f"{attempt_id}\0{node_rank}".encode()).hexdigest()[:16]
-        path = os.path.join(root, own.lstrip("/"), f"orch-{digest}")
+        path = os.path.join(root, own.lstrip("/"), f"orch-{node_key(attempt_id, node_rank)[:16]}")
         try:
             os.mkdir(path, 0o755)
         except FileExistsError:

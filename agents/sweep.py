@@ -5,6 +5,8 @@ over SSH): it SIGKILLs every process whose environment marks it as a rank of tha
 (``ORCH_ATTEMPT_ID``) and, with ``--agents``, its agents (``ORCH_AGENT_ATTEMPT_ID``); with
 ``--node-rank N`` only that node's processes, and first every process of that node's cgroup
 (``agents.cgroups``: what left the markers behind too). Prints the killed pids as a JSON list.
+:func:`sweep_attempt` is the same sweep for callers in this process (the local provisioner, orch commands
+that find an attempt's controller gone).
 """
 
 from __future__ import annotations
@@ -12,11 +14,28 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import Iterable
 
 from . import cgroups
+from .attach import remove_points
 from .ranks import kill_marked
 
-__all__ = ["main"]
+__all__ = ["main", "sweep_attempt"]
+
+
+def sweep_attempt(attempt_id: str, node_ranks: Iterable[int], node_rank: int | None = None,
+                  agents: bool = True) -> list[int]:
+    """SIGKILL what is left of the attempt on this machine: the cgroups of ``node_ranks`` (``agents.cgroups``),
+    then, by their markers, its agents (unless ``agents`` is False) and its ranks (with ``node_rank``: only that
+    node's); the sockets of those nodes' agents go too (``agents.attach``). Returns the pids killed."""
+    nodes = list(node_ranks)
+    killed = cgroups.sweep(attempt_id, nodes)
+    if agents:
+        killed += kill_marked(attempt_id, node_rank=node_rank, key="ORCH_AGENT_ATTEMPT_ID",
+                              node_key="ORCH_AGENT_NODE_RANK")
+    killed += kill_marked(attempt_id, node_rank=node_rank)
+    remove_points(attempt_id, nodes)
+    return killed
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,13 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--agents", action="store_true", help="also kill the attempt's agents")
     p.add_argument("--node-rank", type=int, default=None)
     args = p.parse_args(argv)
-    killed = []
-    if args.node_rank is not None:
-        killed += cgroups.sweep(args.attempt_id, [args.node_rank])
-    if args.agents:
-        killed += kill_marked(args.attempt_id, node_rank=args.node_rank, key="ORCH_AGENT_ATTEMPT_ID",
-                              node_key="ORCH_AGENT_NODE_RANK")
-    killed += kill_marked(args.attempt_id, node_rank=args.node_rank)
+    killed = sweep_attempt(args.attempt_id, [] if args.node_rank is None else [args.node_rank],
+                           node_rank=args.node_rank, agents=args.agents)
     print(json.dumps(killed))
     return 0
 

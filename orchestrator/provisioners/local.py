@@ -19,10 +19,10 @@ from typing import Any
 
 import psutil
 
-from agents import cgroups
 from agents.attach import open_link, socket_streams
 from agents.link import MessageReader, MessageWriter
-from agents.ranks import kill_marked, user_umask_env
+from agents.ranks import user_umask_env
+from agents.sweep import sweep_attempt
 
 from ..errors import ProvisionError
 from ..planning import JobPlan, NodePlan
@@ -111,10 +111,7 @@ class AttachedLocalAgent(AgentHandle):
             return False
 
     def kill(self) -> None:
-        cgroups.sweep(self.attempt_id, [self.node_rank])
-        kill_marked(self.attempt_id, node_rank=self.node_rank, key="ORCH_AGENT_ATTEMPT_ID",
-                    node_key="ORCH_AGENT_NODE_RANK")
-        kill_marked(self.attempt_id, node_rank=self.node_rank)
+        sweep_attempt(self.attempt_id, [self.node_rank], node_rank=self.node_rank)
 
 
 class LocalProvisioner(Provisioner):
@@ -155,5 +152,4 @@ class LocalProvisioner(Provisioner):
     def sweep(self, plan: JobPlan) -> list[int]:
         """Kill every rank and agent of the attempt still on this machine: its nodes' cgroups
         (``agents.cgroups``), then what carries its markers."""
-        return (cgroups.sweep(plan.attempt_id, [n.node_rank for n in plan.nodes]) + kill_marked(plan.attempt_id)
-                + kill_marked(plan.attempt_id, key="ORCH_AGENT_ATTEMPT_ID"))
+        return sweep_attempt(plan.attempt_id, [n.node_rank for n in plan.nodes])

@@ -13,9 +13,9 @@ from typing import Any
 
 import psutil
 
-from agents import cgroups
-from agents.attach import read_outcomes, remove_points
-from agents.ranks import describe_returncode, kill_marked
+from agents.attach import read_outcomes
+from agents.ranks import describe_returncode
+from agents.sweep import sweep_attempt as sweep_here
 
 from ..errors import OrchError, StateError
 from ..store import JobState, Store
@@ -108,10 +108,7 @@ def sweep_attempt(store: Store, job_id: str, attempt: int) -> list[int]:
         nodes = range(len(store.get_attempt(job_id, attempt).plan.get("nodes") or ()))
     except OrchError:
         nodes = range(0)
-    killed = (cgroups.sweep(attempt_id, nodes) + kill_marked(attempt_id, key="ORCH_AGENT_ATTEMPT_ID")
-              + kill_marked(attempt_id))
-    remove_points(attempt_id, nodes)  # (the sockets of agents killed before they could remove them)
-    return killed
+    return sweep_here(attempt_id, nodes)
 
 
 def waits_for_nodes(store: Store, job: Any) -> bool:

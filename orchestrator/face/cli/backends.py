@@ -10,6 +10,7 @@ import re
 import socket
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from urllib.parse import quote
 from typing import Any
 
@@ -101,7 +102,7 @@ class StoreBackend:
         if rank is not None and not any(r["global_rank"] == rank for r in detail["ranks"]):
             raise UsageError(f"Job {detail['id']} has no rank {rank} (world size {detail.get('world_size')}).")
         log_dir = os.path.join(detail["run_dir"], "logs")
-        procs = [type("Rank", (), {"global_rank": r["global_rank"], "pid": r["pid"]})() for r in wanted]
+        procs = [SimpleNamespace(global_rank=r["global_rank"], pid=r["pid"]) for r in wanted]
         return {"job": detail["id"], "attempt": detail["attempt"], "silent_nodes": [],
                 "ranks": dict(sorted(dump_all(procs, log_dir).items(), key=lambda kv: int(kv[0])))}
 
