@@ -480,10 +480,8 @@ class Agent:
         if self._exporter is not None:
             self._exporter.shutdown()
             self._exporter.server_close()
-        monitor = self.node.get("deepspeed_monitor_dir")
-        base = self.node.get("metrics_dir")
-        # DeepSpeed's monitor output is removed only where orch put it (a user's own csv_monitor stays)
-        self.metrics.remove(monitor if monitor and base and monitor.startswith(base + os.sep) else None)
+        # scratch: forwarded already; DeepSpeed's monitor output only where orch put it (agents.metrics.remove_scratch)
+        self.metrics.remove(self.node.get("deepspeed_monitor_dir"))
 
     def on_signal(self, signum: int, _frame: Any) -> None:
         """SIGTERM/SIGINT: stop the ranks at the next turn of the loop."""

@@ -1,7 +1,7 @@
 """The node agent's metrics: its ``/metrics`` exporter and its ranks' progress reports.
 
-Per attempt and node the agent owns a fresh node-local directory (``NodePlan.metrics_dir``
-/ ``node-<node rank>``) holding:
+Per attempt and node the agent owns a fresh scratch directory (``NodePlan.metrics_dir``, the attempt's
+``<run_dir>/scratch`` as seen on the node, / ``node-<node rank>``) holding:
 
 * ``prom/``: prometheus_client's multiprocess files of the ranks (``PROMETHEUS_MULTIPROC_DIR``),
   written by :mod:`agents.report`, served by :class:`NodeCollector` through
@@ -12,6 +12,10 @@ Per attempt and node the agent owns a fresh node-local directory (``NodePlan.met
 Where orch wrote the DeepSpeed config it also turned on DeepSpeed's CSV monitor
 (``NodePlan.deepspeed_monitor_dir``, on the node of global rank 0): rank 0's steps are
 read from it when rank 0 does not report through :mod:`agents.report`.
+
+All of it is scratch: the agent removes it at its end, once what it holds was forwarded; what an agent
+killed before that left is removed by the sweep after the attempt (:func:`remove_scratch`) and by
+``orch gc`` (docs/housekeeping.md).
 
 Every name, type and label is documented in docs/metrics.md.
 """
@@ -34,21 +38,22 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 from prometheus_client.registry import Collector
 
-__all__ = ["NodeMetrics", "NodeCollector", "ProgressReader", "serve", "gpu_stats"]
+__all__ = ["NodeMetrics", "NodeCollector", "ProgressReader", "serve", "gpu_stats", "remove_scratch"]
 
 _LABELS = ["job", "attempt", "node"]
 
 
 class NodeMetrics:
-    """The node-local metrics directory of one attempt on one node.
+    """The metrics scratch directory of one attempt on one node.
 
     Args:
-        base: ``NodePlan.metrics_dir`` (node-local, per attempt); None: metrics and reports off.
+        base: ``NodePlan.metrics_dir`` (the attempt's scratch directory); None: metrics and reports off.
         node_rank: this node's rank.
         prometheus: whether the ranks get a multiprocess directory (the exporter is on).
     """
 
     def __init__(self, base: str | None, node_rank: int, prometheus: bool) -> None:
+        self.base, self.node_rank = base, node_rank
         self.root = os.path.join(base, f"node-{node_rank}") if base else None
         self.prom_dir = os.path.join(self.root, "prom") if self.root and prometheus else None
         self.report_dir = os.path.join(self.root, "reports") if self.root else None
@@ -79,20 +84,41 @@ class NodeMetrics:
             except OSError:
                 pass
 
-    def remove(self, *also: str | None) -> None:
-        """Remove this node's directory and ``also`` (e.g. DeepSpeed's monitor output), then the
-        attempt's directory once no node has anything left in it."""
-        if not self.root:
-            return
-        for path in (self.root, *also):
-            if path:
-                shutil.rmtree(path, ignore_errors=True)
-        base = os.path.dirname(self.root)
-        for path in (os.path.join(base, "deepspeed"), base):
-            try:
-                os.rmdir(path)
-            except OSError:
-                pass  # not empty (another node of this machine is still at work), or gone
+    def remove(self, monitor: str | None = None) -> None:
+        """Remove this node's directory and ``monitor`` (DeepSpeed's monitor output, where orch put it:
+        :func:`remove_scratch`), then the attempt's scratch directory once no node has anything left in it."""
+        remove_scratch(self.base, [self.node_rank], monitor)
+
+
+def remove_scratch(base: str | None, node_ranks: Iterable[int], monitor: str | None = None) -> list[str]:
+    """Remove the scratch of these nodes of an attempt on this machine: ``<base>/node-<n>`` for each, and
+    ``monitor`` (DeepSpeed's CSV monitor output) only where it is inside ``base`` (a user's own
+    ``csv_monitor`` stays); then ``<base>/deepspeed`` and ``base`` once empty (another node of this machine
+    may still be at work). Missing paths are skipped.
+
+    Args:
+        base: the attempt's scratch directory (``NodePlan.metrics_dir``); None: nothing to do.
+        node_ranks: the nodes whose directories go.
+        monitor: ``NodePlan.deepspeed_monitor_dir`` of the node that has one, or None.
+
+    Returns:
+        The paths that were there and were removed (files under them included).
+    """
+    if not base:
+        return []
+    paths = [os.path.join(base, f"node-{n}") for n in node_ranks]
+    if monitor and os.path.abspath(monitor).startswith(os.path.abspath(base) + os.sep):
+        paths.append(monitor)
+    removed = [p for p in paths if os.path.lexists(p)]
+    for path in removed:
+        shutil.rmtree(path, ignore_errors=True)
+    for path in (os.path.join(base, "deepspeed"), base):
+        try:
+            os.rmdir(path)
+            removed.append(path)
+        except OSError:
+            pass  # not empty, or gone
+    return removed
 
 
 def _finite(value: Any) -> float | None:

@@ -4,7 +4,9 @@ Run by a provisioner on each node once the attempt is over (the ssh provisioner 
 over SSH): it SIGKILLs every process whose environment marks it as a rank of that attempt
 (``ORCH_ATTEMPT_ID``) and, with ``--agents``, its agents (``ORCH_AGENT_ATTEMPT_ID``); with
 ``--node-rank N`` only that node's processes, and first every process of that node's cgroup
-(``agents.cgroups``: what left the markers behind too). Prints the killed pids as a JSON list.
+(``agents.cgroups``: what left the markers behind too); with ``--scratch DIR`` (and ``--monitor DIR``) the
+nodes' scratch a killed agent left there (``agents.metrics.remove_scratch``). Prints the killed pids as a
+JSON list.
 :func:`sweep_attempt` is the same sweep for callers in this process (the local provisioner, orch commands
 that find an attempt's controller gone).
 """
@@ -18,16 +20,19 @@ from typing import Iterable
 
 from . import cgroups
 from .attach import remove_points
+from .metrics import remove_scratch
 from .ranks import kill_marked
 
 __all__ = ["main", "sweep_attempt"]
 
 
 def sweep_attempt(attempt_id: str, node_ranks: Iterable[int], node_rank: int | None = None,
-                  agents: bool = True) -> list[int]:
+                  agents: bool = True, scratch: str | None = None, monitor: str | None = None) -> list[int]:
     """SIGKILL what is left of the attempt on this machine: the cgroups of ``node_ranks`` (``agents.cgroups``),
     then, by their markers, its agents (unless ``agents`` is False) and its ranks (with ``node_rank``: only that
-    node's); the sockets of those nodes' agents go too (``agents.attach``). Returns the pids killed."""
+    node's); the sockets of those nodes' agents go too (``agents.attach``), and their scratch under ``scratch``
+    (the plan's ``metrics_dir``, with DeepSpeed's ``monitor`` output: ``agents.metrics.remove_scratch``), whose
+    agents are gone now. Returns the pids killed."""
     nodes = list(node_ranks)
     killed = cgroups.sweep(attempt_id, nodes)
     if agents:
@@ -35,6 +40,7 @@ def sweep_attempt(attempt_id: str, node_ranks: Iterable[int], node_rank: int | N
                               node_key="ORCH_AGENT_NODE_RANK")
     killed += kill_marked(attempt_id, node_rank=node_rank)
     remove_points(attempt_id, nodes)
+    remove_scratch(scratch, nodes, monitor)
     return killed
 
 
@@ -44,9 +50,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("attempt_id")
     p.add_argument("--agents", action="store_true", help="also kill the attempt's agents")
     p.add_argument("--node-rank", type=int, default=None)
+    p.add_argument("--scratch", default=None, help="the attempt's scratch directory: remove the node's part")
+    p.add_argument("--monitor", default=None, help="DeepSpeed's monitor output under it, to remove too")
     args = p.parse_args(argv)
     killed = sweep_attempt(args.attempt_id, [] if args.node_rank is None else [args.node_rank],
-                           node_rank=args.node_rank, agents=args.agents)
+                           node_rank=args.node_rank, agents=args.agents, scratch=args.scratch, monitor=args.monitor)
     print(json.dumps(killed))
     return 0
 

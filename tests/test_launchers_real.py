@@ -261,7 +261,7 @@ def check_orch_vars(orch, side: RealSide, detail: dict, ours: dict[int, dict], c
                     "ORCH_ATTEMPT_ID": f"{job_id}.1", "ORCH_RESTART_COUNT": "0", "ORCH_NODE": host,
                     "ORCH_NODE_RANK": str(node_rank), "ORCH_RUN_DIR": run_dir,
                     "ORCH_CHECKPOINT_DIR": str(job_dir / "checkpoints")}
-        node_metrics = f"/tmp/orch-metrics/{job_id}.1/node-{node_rank}"
+        node_metrics = f"{run_dir}/scratch/node-{node_rank}"  # the attempt's scratch (docs/housekeeping.md)
         assert side.reports[first]["env"].get("PROMETHEUS_MULTIPROC_DIR") is None
         assert ours[first]["env"]["PROMETHEUS_MULTIPROC_DIR"] == f"{node_metrics}/prom"  # metrics_port: auto
         if config:
@@ -385,7 +385,7 @@ def test_nossh_orch_run(nossh_real, orch, write_spec):
     assert_same(side.reports, ours, ignore)
     with open(ours[0]["env"]["ORCH_DEEPSPEED_CONFIG"]) as f:  # the spec's, plus DeepSpeed's CSV monitor for metrics
         assert json.load(f) == {"train_micro_batch_size_per_gpu": 1, "csv_monitor": {
-            "enabled": True, "output_path": f"/tmp/orch-metrics/{detail['id']}.1/deepspeed", "job_name": "rank0"}}
+            "enabled": True, "output_path": f"{detail['run_dir']}/scratch/deepspeed", "job_name": "rank0"}}
 
 
 # --------------------------------------------------------------------------- standard

@@ -94,7 +94,7 @@ def test_taken_metrics_port_and_a_script_that_never_reports(orch, write_spec, ho
                 proc.wait(30)
         assert not path.exists()
         assert_no_leftovers(job_id, timeout=5)
-        assert not (Path("/tmp/orch-metrics") / f"{job_id}.1").exists()  # the agents removed their files
+        assert not (Path(detail["run_dir"]) / "scratch").exists()  # the agents removed their files
     finally:
         taken.close()
 

@@ -128,10 +128,10 @@ def test_metrics_ports_per_node(tmp_path) -> None:
     assert make_plan(_spec(tmp_path, metrics_port=None), _pool(("n0", 1)), _inputs()).nodes[0].metrics_port is None
 
 
-def test_deepspeed_csv_monitor_is_turned_on_into_the_node_local_metrics_dir(tmp_path) -> None:
+def test_deepspeed_csv_monitor_is_turned_on_into_the_attempts_scratch_dir(tmp_path) -> None:
     ds = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2}}
     plan = make_plan(_spec(tmp_path), _pool(("n0", 2), ("n1", 2)), _inputs(deepspeed_config=ds))
-    metrics_dir = "/tmp/orch-metrics/" + plan.attempt_id
+    metrics_dir = plan.run_dir + "/scratch"
     assert plan.deepspeed_config == {**ds, "csv_monitor": {"enabled": True, "output_path": metrics_dir + "/deepspeed",
                                                            "job_name": "rank0"}}
     assert [n.metrics_dir for n in plan.nodes] == [metrics_dir] * 2

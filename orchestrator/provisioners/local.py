@@ -151,5 +151,7 @@ class LocalProvisioner(Provisioner):
 
     def sweep(self, plan: JobPlan) -> list[int]:
         """Kill every rank and agent of the attempt still on this machine: its nodes' cgroups
-        (``agents.cgroups``), then what carries its markers."""
-        return sweep_attempt(plan.attempt_id, [n.node_rank for n in plan.nodes])
+        (``agents.cgroups``), then what carries its markers; then remove the scratch killed agents left."""
+        monitor = next((n.deepspeed_monitor_dir for n in plan.nodes if n.deepspeed_monitor_dir), None)
+        return sweep_attempt(plan.attempt_id, [n.node_rank for n in plan.nodes],
+                             scratch=plan.nodes[0].metrics_dir if plan.nodes else None, monitor=monitor)

@@ -392,7 +392,8 @@ class SSHProvisioner(Provisioner):
         return agent
 
     def sweep(self, plan: JobPlan) -> list[int]:
-        """On every node still reachable, kill what the attempt left (``python -m agents.sweep``)."""
+        """On every node still reachable, kill what the attempt left and remove the scratch a killed agent left
+        there (``python -m agents.sweep``)."""
         killed: list[int] = []
         for node in plan.nodes:
             client = self._clients.get(node.node_rank)
@@ -400,8 +401,10 @@ class SSHProvisioner(Provisioner):
             if transport is None or not transport.is_active():
                 continue
             try:
+                scratch = [*(["--scratch", node.metrics_dir] if node.metrics_dir else []),
+                           *(["--monitor", node.deepspeed_monitor_dir] if node.deepspeed_monitor_dir else [])]
                 out = run_remote(client, [self.python, "-m", "agents.sweep", "--agents", "--node-rank",
-                                          str(node.node_rank), plan.attempt_id], timeout=15)
+                                          str(node.node_rank), *scratch, plan.attempt_id], timeout=15)
                 killed += json.loads(out or "[]")
             except (OSError, ValueError, ProvisionError, paramiko.SSHException):
                 continue

@@ -102,13 +102,16 @@ def _record_outcome(store: Store, job: Any) -> bool:
 
 def sweep_attempt(store: Store, job_id: str, attempt: int) -> list[int]:
     """Kill what is left of the attempt on this machine: its nodes' cgroups (``agents.cgroups``), its agents
-    (which may be awaiting a new server) and its ranks, by their markers."""
+    (which may be awaiting a new server) and its ranks, by their markers; then remove the scratch they left
+    (``agents.metrics.remove_scratch``)."""
     attempt_id = f"{job_id}.{attempt}"
     try:
-        nodes = range(len(store.get_attempt(job_id, attempt).plan.get("nodes") or ()))
+        nodes = store.get_attempt(job_id, attempt).plan.get("nodes") or []
     except OrchError:
-        nodes = range(0)
-    return sweep_here(attempt_id, nodes)
+        nodes = []
+    monitor = next((n.get("deepspeed_monitor_dir") for n in nodes if n.get("deepspeed_monitor_dir")), None)
+    return sweep_here(attempt_id, range(len(nodes)), scratch=nodes[0].get("metrics_dir") if nodes else None,
+                      monitor=monitor)
 
 
 def waits_for_nodes(store: Store, job: Any) -> bool:
