@@ -56,8 +56,6 @@ class PlanInputs:
         deepspeed_config: the DeepSpeed config, resolved.
         accelerator_exports: the accelerator's ``export_envs()`` prefixes (``("NCCL",)`` for
             CUDA, none for CPU), exported under pdsh.
-        node_metrics_dir: a node-local directory under which each agent keeps its attempt's
-            metrics files (``<dir>/<attempt id>/node-<n>``; see agents/metrics.py).
         accelerate_env: what ``accelerate launch`` adds to every rank's environment (``ACCELERATE_*``,
             ``PYTHONPATH``; ``orchestrator.spec.accelerate``), laid over the launcher's variables;
             empty for a job without an Accelerate config.
@@ -94,7 +92,6 @@ class PlanInputs:
     deepspeed_env_lines: tuple[str, ...] = ()
     deepspeed_config: Mapping[str, Any] = field(default_factory=dict)
     accelerator_exports: tuple[str, ...] = ()
-    node_metrics_dir: str = "/tmp/orch-metrics"
     accelerate_env: Mapping[str, str] = field(default_factory=dict)
     accelerate_env_defaults: Mapping[str, str] = field(default_factory=dict)
     config_warnings: tuple[str, ...] = ()
@@ -162,7 +159,9 @@ class NodePlan:
             at, or the spec's ``metrics_addr``; ``0.0.0.0``: every interface).
         env_from_file: variable -> file the agent reads it from when the ranks start (the spec's
             ``env_from_file``; the value is never in the plan).
-        metrics_dir: node-local directory of the attempt's metrics files, or None.
+        metrics_dir: the attempt's scratch directory on the node, ``<run_dir>/scratch`` (its agent keeps
+            its metrics and report files in ``node-<n>`` there: agents/metrics.py; removed at its end:
+            docs/housekeeping.md), or None.
         deepspeed_monitor_dir: where DeepSpeed's CSV monitor writes rank 0's files (on the
             node of global rank 0, when orch manages the DeepSpeed config), or None.
         path_prepend: a directory the agent puts first on every rank's ``PATH`` unless it is on it
@@ -466,7 +465,7 @@ def make_plan(spec: JobSpec, pool: ResourcePool, inputs: PlanInputs) -> JobPlan:
         pdsh_ssh_args_append=inputs.controller_env.get("PDSH_SSH_ARGS_APPEND"),
         accelerator=inputs.accelerator, deepspeed_dir=inputs.deepspeed_dir)
     log_dir = os.path.join(inputs.run_dir, "logs")
-    metrics_dir = os.path.join(inputs.node_metrics_dir, inputs.attempt_id)
+    metrics_dir = os.path.join(inputs.run_dir, "scratch")  # removed when the attempt ends (docs/housekeeping.md)
     ds_config, monitor_dir = _with_monitor(inputs.deepspeed_config, metrics_dir)
     if inputs.resume_tag and inputs.resume_universal_from:
         ds_config = _with_load_universal(ds_config)
