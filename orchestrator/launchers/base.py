@@ -63,6 +63,8 @@ class LaunchContext:
             exports only on some (MVAPICH's ``MV2_USE_CUDA``).
         deepspeed_dir: the directory of the ``deepspeed`` package on the nodes ("" if unknown), for
             the path of ``launcher/launcher_helper.py`` in MPICH's command.
+        force_multi: DeepSpeed's ``--force_multi``: take the runner's multi-node path (the
+            launcher's real tool, its exports) even for one node.
     """
 
     world: tuple[tuple[str, tuple[int, ...]], ...]
@@ -90,6 +92,14 @@ class LaunchContext:
     hostfile_is_pool: bool = False
     accelerator: str = "cuda"
     deepspeed_dir: str = ""
+    force_multi: bool = False
+
+    @property
+    def multi_node(self) -> bool:
+        """DeepSpeed's runner takes its multi-node path (pdsh, mpirun, srun) rather than running
+        ``launch.py`` here: runner.py ``main()``, ``multi_node_exec = (args.force_multi or
+        len(active_resources) > 1) and not args.no_ssh``."""
+        return self.force_multi or len(self.world) > 1
 
     @property
     def world_size(self) -> int:

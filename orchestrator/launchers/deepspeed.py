@@ -372,9 +372,9 @@ class DeepSpeedLauncher:
 
         runner.py ``main()``: ``multi_node_exec = (args.force_multi or len(active_resources) > 1)
         and not args.no_ssh``; with a single node it runs ``launch.py`` locally instead, without
-        pdsh, exports, PYTHONPATH or ``.deepspeed_env`` (``--force_multi`` is not expressed).
+        pdsh, exports, PYTHONPATH or ``.deepspeed_env``, unless ``--force_multi`` (``ctx.force_multi``).
         """
-        return self.ssh and len(ctx.world) > 1
+        return self.ssh and ctx.multi_node
 
     def warnings(self, ctx: LaunchContext) -> list[str]:
         """What DeepSpeed's real pdsh launcher would have changed, and orch passes exactly.

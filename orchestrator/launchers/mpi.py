@@ -114,7 +114,7 @@ class MPILauncher:
 
     def _multi(self, ctx: LaunchContext) -> bool:
         """runner.py ``main()``: the launcher is used only with more than one node."""
-        return len(ctx.world) > 1
+        return ctx.multi_node
 
     @property
     def family(self) -> str:

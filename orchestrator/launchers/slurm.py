@@ -136,7 +136,7 @@ class SlurmLauncher:
     name: str = "slurm"
 
     def _multi(self, ctx: LaunchContext) -> bool:
-        return len(ctx.world) > 1
+        return ctx.multi_node
 
     def _check(self, ctx: LaunchContext) -> None:
         check_context(self.name, ctx, "DeepSpeed's runner", "slurm" if self._multi(ctx) else None)

@@ -331,7 +331,7 @@ def _launcher_exports(spec: JobSpec, inputs: PlanInputs, nodes: int) -> dict[str
     The spec's own ``env`` is not among them: it is laid over them by :func:`make_plan`,
     byte for byte, whatever the launcher.
     """
-    if spec.launcher not in DEEPSPEED_RUNNERS or nodes < 2:  # runner.main(): only the multi-node path exports
+    if spec.launcher not in DEEPSPEED_RUNNERS or (nodes < 2 and not spec.force_multi):  # runner.main(): only the multi-node path exports
         return {}
     exports = pdsh_exports(inputs.controller_env, inputs.controller_cwd, inputs.deepspeed_env_lines,
                            accelerator_exports=inputs.accelerator_exports)
@@ -408,7 +408,7 @@ def _native(spec: JobSpec, launcher: Any, ctx: LaunchContext, node_rank: int, lo
 def _mode_warnings(spec: JobSpec, ctx: LaunchContext) -> list[str]:
     """Settings that do nothing for this job, and what native mode needs of the hosts."""
     out = []
-    used_by = spec.launcher in DEEPSPEED_RUNNERS and len(ctx.world) > 1
+    used_by = spec.launcher in DEEPSPEED_RUNNERS and ctx.multi_node
     if spec.launcher_args and not used_by:
         why = ("one node: DeepSpeed's runner runs deepspeed.launcher.launch locally" if spec.launcher in DEEPSPEED_RUNNERS
                else f"the {spec.launcher} launcher has no real tool to give them to")
@@ -463,7 +463,7 @@ def make_plan(spec: JobSpec, pool: ResourcePool, inputs: PlanInputs) -> JobPlan:
         exclude=spec.exclude, num_nodes=spec.num_nodes, num_gpus=spec.num_gpus,
         launcher_args=tuple(spec.launcher_args), hostfile_is_pool=inputs.hostfile_is_pool, ssh_port=spec.ssh.port,
         pdsh_ssh_args_append=inputs.controller_env.get("PDSH_SSH_ARGS_APPEND"),
-        accelerator=inputs.accelerator, deepspeed_dir=inputs.deepspeed_dir)
+        accelerator=inputs.accelerator, deepspeed_dir=inputs.deepspeed_dir, force_multi=spec.force_multi)
     log_dir = os.path.join(inputs.run_dir, "logs")
     metrics_dir = os.path.join(inputs.run_dir, "scratch")  # removed when the attempt ends (docs/housekeeping.md)
     ds_config, monitor_dir = _with_monitor(inputs.deepspeed_config, metrics_dir)

@@ -150,6 +150,8 @@ class JobSpec(BaseModel):
     module: bool = False
     no_python: bool = False
     no_local_rank: bool = False
+    force_multi: bool = Field(False, description="DeepSpeed's --force_multi: its runner's multi-node path (pdsh, "
+                              "mpirun, srun and their exports) even for one node.")
     deepspeed_config: str | dict[str, Any] | None = None
     deepspeed_config_filled_by: Literal["auto", "orch", "script"] = Field(
         "auto", description="Who fills the DeepSpeed config's \"auto\" values: orch; the script (the HF Trainer "

@@ -23,6 +23,7 @@ from rich.text import Text
 from ... import __version__
 from ...errors import OrchError
 from .export import cmd_export
+from .dropin import DROPINS, dropin_help, run_dropin
 from .jobs import cmd_cancel, cmd_plan, cmd_resume, cmd_run, cmd_submit
 from .options import common_options, host_list, job_arguments, positive_int, seconds_arg, tcp_port
 from .output import Parser, err_console, print_json, printable
@@ -78,6 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
         sp.set_defaults(func=func)
         return sp
 
+    for name in DROPINS:  # parsed by run_dropin (main); listed here for orch --help
+        sub.add_parser(name, help=dropin_help(name), add_help=False)
     sp = add("plan", cmd_plan, "Show where every rank of a job would run, with its environment and command "
              "line, and the command the real launcher would run. Starts nothing.")
     job_arguments(sp)
@@ -134,10 +137,36 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+#: options of ``orch`` itself that take a value (common_options), before a command's name
+_TOP_VALUED = ("--state-dir", "--output", "-o", "--server", "--token-file")
+
+
+def _dropin_at(argv: list[str]) -> int | None:
+    """Where a drop-in command's name (``orch deepspeed ...``) stands in ``argv``, after orch's own
+    options; None for every other command. Its arguments are the real tool's, parsed by its own parser."""
+    i = 0
+    while i < len(argv):
+        word = argv[i]
+        if word in _TOP_VALUED:
+            i += 2
+        elif word.startswith("-"):
+            i += 1
+        else:
+            return i if word in DROPINS else None
+    return None
+
+
 def main(argv: Iterable[str] | None = None) -> int:
     """Entry point of the ``orch`` console script; returns the exit status."""
     parser = build_parser()
-    args = parser.parse_args(list(argv) if argv is not None else None)
+    argv = list(argv) if argv is not None else sys.argv[1:]
+    dropin = _dropin_at(argv)
+    if dropin is not None:
+        top = parser.parse_args(argv[:dropin] + ["list"])  # the options before the command's name
+        top.func = lambda args: run_dropin(argv[dropin], argv[dropin + 1:], args)
+        args = top
+    else:
+        args = parser.parse_args(argv)
     fmt = getattr(args, "output", "table")
     if fmt not in ("table", "json"):
         if getattr(args, "func", None) is cmd_export and args.file is None:  # orch export JOB --output model.pt

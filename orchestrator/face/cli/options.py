@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
-from pathlib import Path
 from typing import Any, Callable
 
 from .output import Parser, UsageError, err_console
@@ -112,11 +110,6 @@ def _job_overrides(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def _script_job_name(script: str) -> str:
-    stem = re.sub(r"[^A-Za-z0-9._-]", "-", Path(script).stem).lstrip("._-")[:63]
-    return stem or "job"
-
-
 def load_job(args: argparse.Namespace) -> Any:
     """The command's job: a spec file (amended by the options), or, with ``--accelerate-config`` and
     a non-YAML positional, a job made of that script and its arguments.
@@ -126,6 +119,8 @@ def load_job(args: argparse.Namespace) -> Any:
         SpecError: the spec (or the Accelerate config) has problems.
     """
     from ...spec import load_spec, spec_from_dict
+    if getattr(args, "prepared_spec", None) is not None:  # a drop-in command made it (orch deepspeed ...)
+        return _with_shell_env(args, args.prepared_spec, [])
     if not args.spec:
         raise UsageError(f"Name the job: orch {args.command} job.yaml, or orch {args.command} --accelerate-config "
                          "accel.yaml train.py [script arguments].")
@@ -153,7 +148,8 @@ def load_job(args: argparse.Namespace) -> Any:
             overrides["name"] = args.name
         spec = load_spec(args.spec, overrides=overrides or None)
     else:
-        data = {"name": getattr(args, "name", None) or _script_job_name(args.spec), "entrypoint": args.spec,
+        from ...spec.deepspeed_cmd import script_job_name
+        data = {"name": getattr(args, "name", None) or script_job_name(args.spec), "entrypoint": args.spec,
                 "args": rest, "workdir": os.getcwd(), **overrides}
         spec = spec_from_dict(data, os.getcwd(), source=f"(from --accelerate-config {args.accelerate_config})")
     return _with_shell_env(args, spec, getattr(args, "env_passthrough", None) or [])
