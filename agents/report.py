@@ -4,7 +4,7 @@ Usage in a training script::
 
     from agents import report
 
-    report.step(step, loss=loss.item(), samples=batch, tokens=batch * seq_len, lr=lr)
+    report.step(step, loss=loss.item(), samples=batch, tokens=batch * seq_len, lr=lr, total_steps=steps)
 
 What it does with a step (see docs/metrics.md for every name):
 
@@ -81,7 +81,8 @@ def _metrics(names: list[str]) -> dict[str, Any]:
 
 
 def step(step: int, *, loss: float | None = None, samples: float | None = None, tokens: float | None = None,
-         lr: float | None = None, step_seconds: float | None = None, final: bool = False) -> None:
+         lr: float | None = None, step_seconds: float | None = None, final: bool = False,
+         total_steps: int | None = None) -> None:
     """Report one optimizer step of this rank.
 
     Args:
@@ -93,9 +94,11 @@ def step(step: int, *, loss: float | None = None, samples: float | None = None, 
         step_seconds: the step's duration (default: time since the previous call).
         final: this is the rank's last step: orch's hang watch stops watching the rank, so a long
             exit (a final save, an upload at exit) is not taken for a hang.
+        total_steps: the step the run ends at, when the script knows it: the job list shows an ETA from it
+            and the recent step rate (orch has no other way to know a run's length).
     """
     try:
-        _report(int(step), loss, samples, tokens, lr, step_seconds, final)
+        _report(int(step), loss, samples, tokens, lr, step_seconds, final, total_steps)
     except Exception as err:  # noqa: BLE001 - reporting must never stop training
         if not _state.get("warned"):
             _state["warned"] = True
@@ -104,7 +107,7 @@ def step(step: int, *, loss: float | None = None, samples: float | None = None, 
 
 
 def _report(step_no: int, loss: float | None, samples: float | None, tokens: float | None, lr: float | None,
-            step_seconds: float | None, final: bool = False) -> None:
+            step_seconds: float | None, final: bool = False, total_steps: int | None = None) -> None:
     ready = _init()
     if ready is None:
         return
@@ -136,7 +139,8 @@ def _report(step_no: int, loss: float | None, samples: float | None, tokens: flo
     if f is not None:
         point = {"step": step_no, "at": now, "loss": _num(loss), "lr": _num(lr), "samples": _num(samples),
                  "tokens": _num(tokens), "step_seconds": _num(step_seconds), "samples_per_second": _num(sps),
-                 "tokens_per_second": _num(tps), "final": True if final else None}
+                 "tokens_per_second": _num(tps), "final": True if final else None,
+                 "total_steps": int(total_steps) if total_steps is not None else None}
         f.write(json.dumps({k: v for k, v in point.items() if v is not None}) + "\n")
 
 

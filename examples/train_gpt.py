@@ -505,7 +505,8 @@ def main(argv=None) -> int:
         out(f"[train] step={step} rank={global_rank} loss={loss_val!r} lr={lr!r} "
             f"samples_per_s={micro * gas / dt:.3f} tokens_per_s={tokens_per_step / dt:.1f} step_s={dt:.6f}")
         if orch_report is not None and not args.no_report:
-            orch_report.step(step, loss=loss_val, samples=micro * gas, tokens=tokens_per_step, lr=lr, step_seconds=dt)
+            orch_report.step(step, loss=loss_val, samples=micro * gas, tokens=tokens_per_step, lr=lr, step_seconds=dt,
+                             total_steps=args.steps)
         window_loss += loss_val
         window_n += 1
         if args.log_interval > 0 and (step % args.log_interval == 0 or step == last):

@@ -6,6 +6,7 @@ A real server process on a free port; the CLI finds it through the state directo
 from __future__ import annotations
 
 import json
+import re
 import signal
 import socket
 import subprocess
@@ -41,6 +42,9 @@ def test_submit_follow_cancel_resume_through_the_server(orch, server, write_spec
     wait_for(lambda: all(r["step"] for r in orch.json("status", job_id)["ranks"]), 60, "steps on every rank")
     listed = orch.http().get(f"{url}/api/jobs").json()
     assert [j["id"] for j in listed] == [job_id] and listed[0]["world_size"] == 2
+    # steps from the ranks' log lines (the worker does not report): a step and a loss, no total so no ETA
+    assert listed[0]["step"] >= 1 and listed[0]["loss"] > 0 and listed[0]["total_steps"] is None
+    assert listed[0]["eta_seconds"] is None
     logs = orch.http().get(f"{url}/api/jobs/{job_id}/logs", params={"rank": 1}).json()
     assert "step=1 loss=10.000000 rank=1" in logs["data"] and logs["eof"] is False
     chunks = [json.loads(line) for line in orch("logs", job_id, "-o", "json", "--tail", "2").stdout.splitlines()]
@@ -75,6 +79,41 @@ def test_submit_follow_cancel_resume_through_the_server(orch, server, write_spec
     assert done.status_code == 400 and "entrypoint" in done.json()["error"]
 
 
+def test_the_job_list_carries_step_loss_rate_and_eta(orch, server, write_spec, hostfile) -> None:
+    proc, url = server
+    spec = write_spec(name="progress", hostfile=str(hostfile("a slots=1\nb slots=1\n")), entrypoint=WORKER,
+                      stop_grace_seconds=2, env={"WORKER_STEPS": "6000", "WORKER_STEP_S": "0.05", "WORKER_REPORT": "1"})
+    job_id = orch.json("submit", str(spec))["id"]
+
+    def row() -> dict:
+        return next(j for j in orch.http().get(f"{url}/api/jobs").json() if j["id"] == job_id)
+
+    # the rate needs a few seconds of reports; the worker reports its total (agents.report's total_steps)
+    running = wait_for(lambda: (r := row())["steps_per_second"] and r["eta_seconds"] and r, 90, "a rate and an ETA")
+    assert running["state"] == "RUNNING" and running["total_steps"] == 6000 and 1 <= running["step"] < 6000
+    assert running["loss"] == pytest.approx(10.0 / running["loss_step"])  # rank 0's loss of the step it reported
+    assert 2.0 < running["steps_per_second"] <= 21.0, running  # 0.05 s a step, slower on a busy machine
+    assert running["eta_seconds"] == pytest.approx((6000 - running["step"]) / running["steps_per_second"])
+    assert running["progress_at"] == pytest.approx(time.time(), abs=10)
+    # the same fields in orch list (through the server) and orch status
+    listed = next(j for j in orch.json("list") if j["id"] == job_id)
+    assert listed["total_steps"] == 6000 and listed["step"] >= running["step"] and listed["steps_per_second"] > 2
+    assert orch.json("status", job_id)["eta_seconds"] > 0
+    table = orch("list").stdout
+    line = next(ln for ln in table.splitlines() if ln.startswith(job_id))
+    assert re.search(r" \d+/6000 +\d+\.\d{4} +\d+\.\d+ +(\d+m\d\ds|\d+h\d\dm) ", line), table
+    assert all(word in table.splitlines()[0].split() for word in ("step", "loss", "steps/s", "eta")), table
+    # after a rate is measured, more steps: the step moves on
+    wait_for(lambda: row()["step"] > running["step"] + 20, 30, "more steps")
+
+    r = orch("cancel", job_id, "--wait", "30")
+    assert r.returncode == 0
+    ended = row()
+    assert ended["state"] == "CANCELLED" and ended["step"] > running["step"] and ended["loss"] > 0
+    assert ended["steps_per_second"] is None and ended["eta_seconds"] is None
+    assert_no_leftovers(job_id)
+
+
 def test_server_restart_keeps_history_and_stops_jobs_on_shutdown(orch, server, write_spec, hostfile,
                                                                  tmp_path) -> None:
     proc, url = server
@@ -94,6 +133,8 @@ def test_server_restart_keeps_history_and_stops_jobs_on_shutdown(orch, server, w
     # without a server, the commands read the store directly
     jobs = {j["id"]: j["state"] for j in orch.json("list")}
     assert jobs == {job: "SUCCEEDED", long_id: "CANCELLED"}
+    quick = next(j for j in orch.json("list") if j["id"] == job)  # its progress, read from the store directly
+    assert (quick["step"], quick["loss"], quick["steps_per_second"], quick["eta_seconds"]) == (2, 5.0, None, None)
     assert orch.json("status", long_id)["cause"]["message"] == "cancelled: orch server was stopped"
     r = orch("submit", str(ok))
     assert r.returncode == 2 and "No orch server is running" in r.stderr

@@ -8,7 +8,8 @@ Routes (JSON in and out; errors are ``{"error": message, "kind": ErrorClass}`` w
 the state database cannot be written (a full disk; reads still work)):
 
 * ``GET  /api/health``                       liveness and the state directory
-* ``GET  /api/jobs``                         every job, newest first
+* ``GET  /api/jobs?limit=N``                 the newest N jobs (100), newest first, each with its current attempt's
+  ``step``, ``loss``, ``steps_per_second``, ``eta_seconds``, ``total_steps`` (``orchestrator.observe.progress``)
 * ``POST /api/jobs``  ``{"spec": {...}}``     submit a job (spec paths absolute); an ``Idempotency-Key`` header
   already used returns that job and starts nothing (the CLI sends one per ``orch submit``)
 * ``GET  /api/jobs/{id}``                    a job with its attempts and ranks
@@ -41,7 +42,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from .. import __version__
 from ..errors import NotFoundError, OrchError, StateError, StoreFullError
-from ..observe import job_detail, job_summary, read_log
+from ..observe import job_detail, job_list, read_log
 from ..spec import spec_from_dict
 from ..spec.files import MAX_DEPTH, json_depth
 from ..spec.secrets import redact, secret_values
@@ -133,11 +134,7 @@ def _job_routes(controller: Controller) -> APIRouter:
 
     @api.get("")
     def list_jobs(limit: int = 100) -> list[dict[str, Any]]:
-        out = []
-        for job in store.list_jobs(max(1, min(limit, MAX_LIST_JOBS))):
-            attempt = store.get_attempt(job.id, job.attempt) if job.attempt else None
-            out.append(job_summary(job, attempt))
-        return out
+        return job_list(store, max(1, min(limit, MAX_LIST_JOBS)))
 
     @api.post("")
     def submit(body: dict[str, Any], request: Request) -> dict[str, Any]:

@@ -6,7 +6,7 @@ May import: ``orchestrator.errors``, ``orchestrator.checkpoints``, ``orchestrato
 
 from .hints import next_steps
 from .metrics import ControllerMetrics, TargetsWriter, attempt_targets, default_targets_dir
-from .views import job_detail, job_summary, log_path, node_rows, progress_of, rank_rows, read_log
+from .views import job_detail, job_list, job_summary, log_path, node_rows, progress_of, rank_rows, read_log
 
-__all__ = ["ControllerMetrics", "TargetsWriter", "attempt_targets", "default_targets_dir", "job_summary",
+__all__ = ["ControllerMetrics", "TargetsWriter", "attempt_targets", "default_targets_dir", "job_summary", "job_list",
            "job_detail", "next_steps", "rank_rows", "node_rows", "read_log", "progress_of", "log_path"]

@@ -4,7 +4,8 @@ The same functions serve the API and the CLI (which reads the store directly whe
 server runs), so both print the same data. Rank status comes from the attempt's events;
 training progress (step, loss) from the last lines of each rank's log that contain
 ``step=<int>`` and ``loss=<float>`` tokens (the form the example script prints; see
-docs/contract.md).
+docs/contract.md). A job's own line (``orch list``, the job list) carries its step, loss,
+steps/s and ETA from the attempt's progress row (:mod:`.progress`), never from its logs.
 """
 
 from __future__ import annotations
@@ -12,30 +13,46 @@ from __future__ import annotations
 import math
 import os
 import re
+import time
 from pathlib import Path
 from typing import Any
 
 from ..errors import NotFoundError
 from ..spec.secrets import redact
-from ..store import AttemptRecord, JobRecord, Store
+from ..store import AttemptRecord, JobRecord, JobState, Store
 from .checkpoints import checkpoints_view
 from .hints import next_steps
+from .progress import progress_fields
 
-__all__ = ["job_summary", "job_detail", "rank_rows", "node_rows", "read_log", "progress_of", "log_path"]
+__all__ = ["job_summary", "job_list", "job_detail", "rank_rows", "node_rows", "read_log", "progress_of", "log_path"]
 
 _STEP = re.compile(r"\bstep=(\d+)")
 _LOSS = re.compile(r"\bloss=([-+]?(?:\d+\.?\d*(?:[eE][-+]?\d+)?|nan|inf))")
 
 
-def job_summary(job: JobRecord, attempt: AttemptRecord | None = None) -> dict[str, Any]:
-    """One line's worth of a job: id, name, state, attempt, restarts, cause, times, world."""
+def job_summary(job: JobRecord, attempt: AttemptRecord | None = None, progress: dict[str, Any] | None = None,
+                now: float | None = None) -> dict[str, Any]:
+    """One line's worth of a job: id, name, state, attempt, restarts, cause, times, world, and its current
+    attempt's progress (``step``, ``loss``, ``steps_per_second``, ``eta_seconds``, ... from ``progress``, the
+    attempt's progress row: :func:`.progress.progress_fields`; ``now``: the clock, default the time now)."""
     d = job.to_dict()
     d["restarts"] = max(0, job.attempt - 1)
     d["cause_message"] = (job.cause or {}).get("message")
     if attempt is not None:
         d["world_size"] = attempt.plan.get("world_size")
         d["nodes"] = [n["host"] for n in attempt.plan.get("nodes", [])]
+    d.update(progress_fields(progress, job.state == JobState.RUNNING, time.time() if now is None else now))
     return d
+
+
+def job_list(store: Store, limit: int) -> list[dict[str, Any]]:
+    """The newest ``limit`` jobs' summaries (:func:`job_summary`), newest first, with their progress: the
+    page's progress rows are read in one query (a few for a page over 400 jobs)."""
+    jobs = store.list_jobs(limit)
+    progress = store.progress_summaries([(j.id, j.attempt) for j in jobs if j.attempt])
+    now = store.clock()  # the clock the progress rows were recorded on (the controller's)
+    return [job_summary(j, store.get_attempt(j.id, j.attempt) if j.attempt else None,
+                        progress.get((j.id, j.attempt)), now) for j in jobs]
 
 
 def log_path(plan: dict, global_rank: int) -> Path:
@@ -174,7 +191,8 @@ def job_detail(store: Store, job_id: str) -> dict[str, Any]:
     job = store.get_job(job_id)
     attempts = store.attempts(job.id)
     current = attempts[-1] if attempts else None
-    d = job_summary(job, current)
+    d = job_summary(job, current, store.progress_summaries([(job.id, job.attempt)]).get((job.id, job.attempt)),
+                    store.clock())
     d["spec"] = job.spec
     d["attempts"] = [a.to_dict() for a in attempts]
     if current is not None:

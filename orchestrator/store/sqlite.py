@@ -23,6 +23,7 @@ from typing import Any, Callable
 
 from ..errors import NotFoundError, StateError, StoreFullError
 from .ledger import LEDGER_SCHEMA, CheckpointLedger
+from .progress import PROGRESS_SCHEMA, ProgressSummaries
 from .states import JobState, check_transition
 
 __all__ = ["Store", "JobRecord", "AttemptRecord", "EventRecord"]
@@ -178,7 +179,7 @@ class EventRecord:
                 "kind": self.kind, "data": self.data}
 
 
-class Store(CheckpointLedger):
+class Store(CheckpointLedger, ProgressSummaries):
     """The durable store. Thread-safe: one connection guarded by a lock.
 
     Example::
@@ -204,7 +205,7 @@ class Store(CheckpointLedger):
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.execute("PRAGMA foreign_keys=ON")
-            self._db.executescript(_SCHEMA + LEDGER_SCHEMA)
+            self._db.executescript(_SCHEMA + LEDGER_SCHEMA + PROGRESS_SCHEMA)
         except sqlite3.OperationalError as err:
             # on a full disk a schema update cannot be written: what is there still reads, and a write
             # raises StoreFullError (_Tx)
@@ -449,15 +450,19 @@ class Store(CheckpointLedger):
         """Record reported steps, oldest first: ``[(global rank, point), ...]``; a point has
         ``step`` (int) and ``at`` (epoch seconds) and any of ``loss``, ``lr``,
         ``samples_per_second``, ``tokens_per_second``, ``step_seconds``, ``source``
-        (see agents/metrics.py). Non-finite floats are kept as the strings "nan"/"inf"."""
-        rows = []
+        (see agents/metrics.py). Non-finite floats are kept as the strings "nan"/"inf". The attempt's
+        progress row (:mod:`.progress`: its step, loss, step rate window) takes them in the same transaction."""
+        rows, cleaned = [], []
         for rank, point in points:
             clean = {k: (v if not isinstance(v, float) or math.isfinite(v) else str(v)) for k, v in point.items()}
+            cleaned.append((int(rank), clean))
             rows.append((job_id, attempt, int(rank), int(point["step"]), float(point.get("at") or self.clock()),
                          json.dumps(clean, sort_keys=True)))
         with self._tx() as db:
             db.executemany("INSERT INTO progress (job_id, attempt, rank, step, at, data) VALUES (?, ?, ?, ?, ?, ?)",
                            rows)
+            if cleaned:
+                self._fold_progress(db, job_id, attempt, cleaned, self.clock())
 
     def progress(self, job_id: str, attempt: int, since_id: int = 0, limit: int = 100_000) -> list[dict]:
         """The attempt's recorded points with id > ``since_id``, oldest first: dicts with ``id``,

@@ -16,6 +16,7 @@ Configured by environment (so launchers' argv handling is untouched):
 * ``WORKER_READY_DIR``: touch ``<dir>/rank<r>.ready`` once running.
 * ``WORKER_SAY``: a line printed as it is at the start (terminal escapes, for one).
 * ``WORKER_EXIT_S``: seconds an ``atexit`` handler spends after the last step (as an upload at exit does).
+* ``WORKER_REPORT=1``: also report each step with ``agents.report.step`` (its loss, ``total_steps=WORKER_STEPS``).
 """
 
 import os
@@ -64,3 +65,6 @@ for step in range(1, steps + 1):
         sys.exit(int(mode.split(":")[1]))
     time.sleep(step_s)
     print(f"step={step} loss={10.0 / step:.6f} rank={rank}", flush=True)
+    if os.environ.get("WORKER_REPORT") == "1":
+        from agents import report
+        report.step(step, loss=10.0 / step, total_steps=steps)

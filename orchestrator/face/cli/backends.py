@@ -46,18 +46,14 @@ class StoreBackend:
         return self._store
 
     def list(self, limit: int = 1000) -> list[dict]:
-        """Up to ``limit`` jobs, newest first (``job_summary`` of each)."""
+        """Up to ``limit`` jobs, newest first, with their progress (``observe.job_list``)."""
         from ...errors import NotFoundError
-        from ...observe import job_summary
+        from ...observe import job_list
         try:
             store = self.store
         except NotFoundError:
             return []
-        out = []
-        for job in store.list_jobs(limit):
-            attempt = store.get_attempt(job.id, job.attempt) if job.attempt else None
-            out.append(job_summary(job, attempt))
-        return out
+        return job_list(store, limit)
 
     def detail(self, job_id: str) -> dict:
         """The job's detail; for a job whose ``orch server`` died and whose ranks still run awaiting a new one

@@ -8,7 +8,7 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from .output import console, fmt_loss, printable, styled
+from .output import ago, console, fmt_loss, printable, styled
 
 
 #: The ranks table's columns in the order shown, and (``RANK_PRIORITY``) the order they are given room in.
@@ -73,6 +73,81 @@ class RanksTable:
 
     def __rich_console__(self, console: Any, options: Any) -> Any:
         yield ranks_table(self.detail, options.max_width)
+
+
+#: ``orch list``'s columns in the order shown, and (``JOB_PRIORITY``) the order they are given room in; the cause
+#: takes what is left (wrapped, at most ``MAX_CAUSE``): at least ``MIN_CAUSE`` beside the progress columns, and
+#: ``WIDE_CAUSE`` beside ``updated`` and the ones after it. The progress columns and the cause are left out when
+#: no job listed has one.
+JOB_COLUMNS = ("job", "state", "attempt", "restarts", "nodes", "world", "step", "loss", "steps/s", "eta", "updated",
+               "cause")
+JOB_PRIORITY = ("job", "state", "step", "loss", "steps/s", "eta", "updated", "attempt", "restarts", "world", "nodes")
+_JOB_OPTIONAL = ("step", "loss", "steps/s", "eta", "cause")
+MIN_CAUSE, WIDE_CAUSE, MAX_CAUSE = 16, 40, 70
+
+
+def fmt_rate(v: float | None) -> str:
+    """Steps per second with 3 significant digits or so (``-``: unknown)."""
+    return "-" if v is None else f"{v:.0f}" if v >= 100 else f"{v:.1f}" if v >= 10 else f"{v:.2f}"
+
+
+def fmt_eta(seconds: float | None) -> str:
+    """A duration as ``45s``, ``4m05s``, ``2h13m``, ``3d04h`` (``-``: unknown)."""
+    if seconds is None:
+        return "-"
+    s = max(0, round(seconds))
+    return f"{s}s" if s < 60 else f"{s // 60}m{s % 60:02d}s" if s < 3600 else \
+        f"{s // 3600}h{s % 3600 // 60:02d}m" if s < 86400 else f"{s // 86400}d{s % 86400 // 3600:02d}h"
+
+
+def _job_cells(j: dict) -> dict[str, Any]:
+    step = "-" if j.get("step") is None else str(j["step"]) + (f"/{j['total_steps']}" if j.get("total_steps") else "")
+    return {"job": j["id"], "state": styled(j["state"]), "attempt": str(j["attempt"]), "restarts": str(j["restarts"]),
+            "nodes": ",".join(j.get("nodes") or []), "world": str(j.get("world_size") or "-"), "step": step,
+            "loss": fmt_loss(j.get("loss")), "steps/s": fmt_rate(j.get("steps_per_second")),
+            "eta": fmt_eta(j.get("eta_seconds")), "updated": ago(j["updated_at"]),
+            "cause": printable(j.get("cause_message") or "")}
+
+
+def fit_job_columns(rows: list[dict[str, Any]], width: int) -> dict[str, int]:
+    """Which columns of ``orch list`` fit in ``width`` terminal columns and how wide each is (one space between
+    columns): :data:`JOB_PRIORITY` order, the id and state always, the others while they fit beside the cause's
+    least room; the cause takes the rest. Returns column -> width."""
+    natural = {c: max([len(c)] + [row[c].cell_len if isinstance(row[c], Text) else len(row[c]) for row in rows])
+               for c in JOB_COLUMNS}
+    has = {c: any(str(row[c]) not in ("", "-") for row in rows) for c in JOB_COLUMNS}
+    cause = min(natural["cause"], MIN_CAUSE) if has["cause"] else 0
+    chosen: dict[str, int] = {}
+    used = -1
+    for col in JOB_PRIORITY:
+        if col in _JOB_OPTIONAL and not has[col]:
+            continue
+        if col == "updated" and cause:
+            cause = min(natural["cause"], WIDE_CAUSE)
+        reserve = 1 + cause if cause and col not in ("job", "state") else 0
+        if col in ("job", "state") or used + 1 + natural[col] + reserve <= width:
+            chosen[col] = natural[col]
+            used += 1 + natural[col]
+    cause = min(natural["cause"], MIN_CAUSE)
+    if has["cause"] and width - used - 1 >= cause:
+        chosen["cause"] = min(width - used - 1, natural["cause"], MAX_CAUSE)
+    return chosen
+
+
+def jobs_table(jobs: list[dict], width: int | None = None) -> Table:
+    """``orch list``: a line per job (its cause may wrap), the columns that fit the terminal
+    (:func:`fit_job_columns`; ``width``: the console's by default)."""
+    rows = [_job_cells(j) for j in jobs]
+    fit = fit_job_columns(rows, width or console.width)
+    t = Table(box=None, pad_edge=False, padding=(0, 1, 0, 0), collapse_padding=True)
+    shown = [c for c in JOB_COLUMNS if c in fit]
+    for col in shown:
+        right = col in ("attempt", "restarts", "world", "step", "loss", "steps/s", "eta")
+        t.add_column(col, overflow="fold" if col == "cause" else "ellipsis", no_wrap=col != "cause",
+                     max_width=fit[col], min_width=min(fit[col], len(col)), justify="right" if right else "left")
+    for row in rows:
+        t.add_row(*(row[c] for c in shown))
+    return t
 
 
 def header_line(detail: dict) -> Text:

@@ -13,11 +13,12 @@ from rich.text import Text
 from .backends import pick_backend
 from ..limits import MAX_LIST_JOBS
 from .output import ago, console, err_console, print_json, printable, styled
-from .render import RanksTable, cause_lines, checkpoint_lines, header_line, queue_line, start_checkpoint
+from .render import RanksTable, cause_lines, checkpoint_lines, header_line, jobs_table, queue_line, start_checkpoint
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    """The newest ``--limit`` jobs (``--all``: every one); says so when there are more."""
+    """The newest ``--limit`` jobs (``--all``: every one), with each one's step, loss, steps/s and ETA
+    (``orchestrator.observe.progress``); says so when there are more."""
     limit = MAX_LIST_JOBS if args.all else args.limit  # --all: every job (the API's cap on one page)
     jobs = pick_backend(args).list(limit + 1)
     cut = len(jobs) > limit
@@ -30,14 +31,7 @@ def cmd_list(args: argparse.Namespace) -> int:
     if not jobs:
         console.print("No jobs yet. Run one with `orch run job.yaml`.")
         return 0
-    t = Table(box=None, pad_edge=False)
-    for col in ("job", "state", "attempt", "restarts", "nodes", "world", "updated", "cause"):
-        t.add_column(col, overflow="ellipsis", max_width=70 if col == "cause" else None)
-    for j in jobs:
-        t.add_row(j["id"], styled(j["state"]), str(j["attempt"]), str(j["restarts"]),
-                  ",".join(j.get("nodes") or []), str(j.get("world_size") or "-"), ago(j["updated_at"]),
-                  j.get("cause_message") or "")
-    console.print(t)
+    console.print(jobs_table(jobs))
     if cut:
         console.print(f"(the newest {limit} jobs; there are more: --limit N or --all)", highlight=False)
     return 0
