@@ -550,9 +550,14 @@ def test_orch_plan_of_a_spec_with_options_after_it(project, orch) -> None:
     assert plan["deepspeed_config"]["gradient_clipping"] == 0.5 and plan["deepspeed_config"]["train_batch_size"] == 4
     r = orch("plan", str(spec), "--micro-batch-size", "2", "--lr", "1")
     assert r.returncode == 2 and "Unexpected arguments after the job spec" in r.stderr and "--lr 1" in r.stderr
-    r = orch("plan", str(spec))  # no micro batch: the error names both batch keys, no traceback
-    assert r.returncode == 2 and "train_micro_batch_size_per_gpu: is \"auto\"" in r.stderr
-    assert "Traceback" not in r.stderr
+    # no micro batch: as under accelerate launch, the script's Accelerate fills the batch sizes in prepare()
+    r = orch("plan", str(spec), "--output", "json")
+    assert r.returncode == 0, r.stderr
+    plan = json.loads(r.stdout)
+    assert plan["deepspeed_autos"]["filled_by"] == "script"
+    assert {"train_micro_batch_size_per_gpu", "train_batch_size"} <= set(plan["deepspeed_autos"]["left_auto"])
+    assert plan["deepspeed_config"]["train_micro_batch_size_per_gpu"] == "auto"
+    assert plan["deepspeed_config"]["zero_optimization"]["stage"] == 1
 
 
 # ------------------------------------------------------------------ into the plan

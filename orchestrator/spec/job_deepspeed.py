@@ -108,11 +108,23 @@ def job_deepspeed(spec: Any, slots_per_node: list[int] | tuple[int, ...],
     base_config = user if from_file else plugin_config(settings)
     what = f"DeepSpeed config {where}" if from_file else \
         f"DeepSpeed config built from Accelerate config {acc.source}"
-    resolved = _resolve(base_config, settings, run, filler if from_file else None, accelerate=True,
-                        from_file=from_file, source=what)
+    if not from_file:
+        filler = _plugin_filler(spec)
+    resolved = _resolve(base_config, settings, run, filler, accelerate=True, from_file=from_file, source=what)
     pythonpath = spec.env.get("PYTHONPATH", controller_env.get("PYTHONPATH"))
     return JobDeepSpeed(resolved.config, tuple(acc.notes()) + resolved.warnings, acc, spec.accelerate, from_file,
-                        spec.workdir, pythonpath, frozenset(spec.env), _autos(filler if from_file else None, resolved))
+                        spec.workdir, pythonpath, frozenset(spec.env), _autos(filler, resolved))
+
+
+def _plugin_filler(spec: Any) -> Filler | None:
+    """Who fills the "auto" values of a config built from an Accelerate config (no DeepSpeed config file):
+    orch where the spec gives the micro batch, else the script's Accelerate, which fills them in
+    ``accelerator.prepare()`` from the DataLoader and the model (``Accelerator._prepare_deepspeed``),
+    as it does under ``accelerate launch``, which never asks for the micro batch."""
+    if spec.micro_batch_size is not None:
+        return None
+    return Filler("script", "accelerate", "built from an Accelerate config: Accelerate fills its \"auto\" values "
+                                          "in the script's accelerator.prepare() (micro_batch_size makes orch fill them)")
 
 
 def _filler(spec: Any, user: Mapping[str, Any]) -> Filler | None:
