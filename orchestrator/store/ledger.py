@@ -69,6 +69,13 @@ class CheckpointLedger:
                                     "GROUP BY tag", (job_id, directory)).fetchall()
         return {r["tag"]: r["n"] for r in rows}
 
+    def forget_checkpoint_tags(self, job_id: str, directory: str, tags: list[str]) -> None:
+        """Drop the manifests and bad marks of tags that were deleted (checkpoint retention, ``orch gc``)."""
+        with self._tx() as db:
+            for table in ("checkpoint_files", "bad_checkpoints"):
+                db.executemany(f"DELETE FROM {table} WHERE job_id = ? AND dir = ? AND tag = ?",
+                               [(job_id, directory, t) for t in tags])
+
     def mark_checkpoint_bad(self, job_id: str, attempt: int, directory: str, tag: str, reason: str) -> None:
         """Mark a tag bad (a rank of ``attempt`` crashed loading it): resumes skip it until it is saved again."""
         with self._tx() as db:

@@ -44,6 +44,7 @@ from .ports import PortLease
 from .preflight import PreflightRound
 from .prepare import rank_python
 from .provisioning import await_hellos, provision_failure, start_agents
+from .pruning import CheckpointPruner
 from .settings import Timings
 from .teardown import Teardown, root_cause
 from .watches import ENDED, HeartbeatWatch, ProgressWatch
@@ -122,6 +123,7 @@ class AttemptRun(AttemptMessages):
         self._recorded_state: JobState | None = None  # adopting: the job's state in the store then
         self._stack_requests: list[dict] = []  # orch stacks: {"waiting": nodes, "answers": {node: msg}, "done": Event}
         self._stack_lock = threading.Lock()
+        self.pruner = CheckpointPruner(self.store, self.job_id, plan.attempt, spec, plan, self._log)
         self._thread = threading.Thread(target=self._main, name=f"attempt-{plan.attempt_id}", daemon=True)
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -483,6 +485,7 @@ class AttemptRun(AttemptMessages):
         if self._preflight is not None:  # tokens of agents that could not remove their own (where seen)
             shutil.rmtree(self._preflight.shared_dir, ignore_errors=True)
         self.lease.release()
+        self.pruner.close()  # the spec's checkpoint retention, over what the last saves completed
         try:
             if self.unrecorded:
                 raise StoreFullError("earlier writes are still to be recorded")

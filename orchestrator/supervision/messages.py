@@ -190,6 +190,7 @@ class AttemptMessages:
             tags = sorted({f["tag"] for f in files})
             self._event("checkpoint_files", {"node_rank": node_rank, "host": self._host(node_rank), "tags": tags,
                                              "files": len(files), "bytes": sum(int(f["size"]) for f in files)})
+            self.pruner.seen()  # the spec's checkpoints.keep_last (supervision/pruning.py)
 
     def _on_unknown(self, node_rank: int, msg: dict) -> None:
         self._event("agent_message", {"node_rank": node_rank, "message": msg})
