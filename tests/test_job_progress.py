@@ -9,9 +9,13 @@ tests/test_server.py, in a real browser in tests/test_web_dashboard.py.
 from __future__ import annotations
 
 import io
+import os
+from pathlib import Path
 
 import pytest
 from rich.console import Console
+
+from conftest import ROOT
 
 from orchestrator.face.cli.render import fmt_eta, fmt_rate, jobs_table
 from orchestrator.observe import job_detail, job_list
@@ -19,6 +23,7 @@ from orchestrator.observe.progress import STALE_S, progress_fields, steps_per_se
 from orchestrator.store import JobState, Store
 from orchestrator.store.progress import WINDOW_S, fold
 
+ARTIFACTS = Path(os.environ.get("ORCH_TEST_ARTIFACTS") or ROOT / "test-artifacts")
 PLAN = {"world_size": 2, "nodes": [{"host": "a", "node_rank": 0, "log_dir": "/nonexistent", "ranks": []}]}
 
 
@@ -158,6 +163,8 @@ def test_orch_list_s_table_fits_the_terminal(store) -> None:
         assert header[:2] == ["job", "state"] and {"step", "loss", "steps/s", "eta", "cause"} <= set(header), lines
         running = next(line for line in lines if line.startswith("quickstart-fail-a1b2c3"))
         assert "500/3000" in running and " 12.5 " in running and " 3m20s" in running
+        ARTIFACTS.mkdir(parents=True, exist_ok=True)
+        (ARTIFACTS / f"orch-list-{width}-columns.txt").write_text("\n".join(lines) + "\n")
     assert {"attempt", "restarts", "world", "updated"} <= set(_render(jobs, 200)[0].split())
     # no job with a step, or none with a cause: no empty columns
     by_id = {j["id"]: j for j in jobs}

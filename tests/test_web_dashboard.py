@@ -40,6 +40,11 @@ RANKS_JS = """return [...document.querySelectorAll('#ranks-table tr.rank-row')].
 SERIES_JS = """return Object.fromEntries([...document.querySelectorAll(arguments[0] + ' polyline.series')]
   .map(p => [p.dataset.rank, +p.dataset.points]));"""
 JOB_STATE_JS = "const h = document.querySelector('#job-header'); return h && h.dataset.state;"
+JOBS_JS = """return [...document.querySelectorAll('#jobs-table tr.job-row')].map(tr => ({
+  id: tr.dataset.jobId, state: tr.dataset.state,
+  step: tr.querySelector('td.job-step').textContent.trim(), loss: tr.querySelector('td.job-loss').textContent.trim(),
+  rate: tr.querySelector('td.job-rate').textContent.trim(), eta: tr.querySelector('td.job-eta').textContent.trim(),
+  bar: (tr.querySelector('td.job-step .step-bar > div') || {style: {}}).style.width || null}));"""
 
 
 def _free_port() -> int:
@@ -177,6 +182,23 @@ def test_a_training_job_is_followed_live(server, browser, orch_m, write_spec, ho
     wait_for(lambda: loss_points({"0": 5, "1": 5}), 30, "6 loss points per rank (for the screenshot)")
     _screenshot(driver, f"dashboard-running-{job_id}.png")
 
+    # the job list, while it trains: its step of the total (train_gpt.py reports total_steps), rank 0's loss,
+    # the recent steps/s and an ETA; the same as the API's
+    _js(driver, "location.hash = '#/';")
+    listed = wait_for(lambda: _job_row(driver, job_id, lambda r: re.fullmatch(r"\d+ / 1500", r["step"])
+                                       and r["rate"] != "–" and r["eta"] != "–"), 20, "progress in the job list")
+    assert listed["state"] == "RUNNING" and 0 < int(listed["step"].split(" / ")[0]) < STEPS, listed
+    assert re.fullmatch(r"\d+\.\d{4}", listed["loss"]) and float(listed["loss"]) > 0, listed
+    assert re.fullmatch(r"\d+(\.\d+)?", listed["rate"]) and float(listed["rate"]) > 0, listed
+    assert re.fullmatch(r"\d+s|\d+m\d\ds", listed["eta"]), listed
+    assert listed["bar"] and 0 < float(listed["bar"].rstrip("%")) < 100, listed
+    api_row = next(j for j in orch_m.http().get(f"{url}/api/jobs").json() if j["id"] == job_id)
+    assert api_row["total_steps"] == STEPS and api_row["steps_per_second"] > 0 and api_row["eta_seconds"] > 0
+    print(f"job list while running: {listed}")
+    _screenshot(driver, f"dashboard-list-running-{job_id}.png")
+    _js(driver, f"location.hash = '#/jobs/{job_id}';")
+    wait_for(lambda: driver.find_element("id", "job-body").is_displayed(), 10, "the job's page again")
+
     # it ends: the page follows to SUCCEEDED with every step shown, still without a reload
     wait_for(lambda: _js(driver, JOB_STATE_JS) == "SUCCEEDED", 240, "SUCCEEDED on the page", interval=0.5)
     print(f"trained {time.monotonic() - t_points:.1f} s after the first points; "
@@ -194,7 +216,27 @@ def test_a_training_job_is_followed_live(server, browser, orch_m, write_spec, ho
                           ".filter(n => !n.startsWith(location.origin))")
     assert foreign == []
     assert _severe_console_errors(driver) == []
+    # back in the list, the finished job shows its last step and rank 0's final loss, no rate or ETA
+    _js(driver, "location.hash = '#/';")
+    done = wait_for(lambda: _job_row(driver, job_id, lambda r: r["state"] == "SUCCEEDED"), 10, "SUCCEEDED in the list")
+    final_step, final_loss = _last_reported(orch_m, url, job_id)
+    assert final_step == STEPS and done["step"] == f"{STEPS} / {STEPS}" and done["bar"] == "100%", done
+    assert done["loss"] == f"{final_loss:.4f}" and done["rate"] == "–" and done["eta"] == "–", (done, final_loss)
     assert_no_leftovers(job_id)
+
+
+def _last_reported(orch_m: Orch, url: str, job_id: str) -> tuple[int, float]:
+    """The step every rank had reported (the least of the ranks' last) and rank 0's last loss, from the job's
+    recorded points (``GET /api/jobs/{id}/progress``)."""
+    points = orch_m.http().get(f"{url}/api/jobs/{job_id}/progress").json()["points"]
+    last = {p["rank"]: p for p in points}  # (oldest first: the last one of each rank stays)
+    return min(p["step"] for p in last.values()), last[0]["loss"]
+
+
+def _job_row(driver, job_id: str, ok: Any) -> dict | None:
+    """The job list's row of ``job_id`` as the page shows it, once ``ok(row)``; else None."""
+    row = next((r for r in _js(driver, JOBS_JS) if r["id"] == job_id), None)
+    return row if row is not None and ok(row) else None
 
 
 def test_a_failed_job_shows_its_cause_and_the_failed_ranks_log(server, browser, orch_m, write_spec,
@@ -253,6 +295,12 @@ def test_a_failed_job_shows_its_cause_and_the_failed_ranks_log(server, browser, 
     wait_for(lambda: len(driver.find_elements("css selector", "tr.job-row")) == 2, 10, "both jobs listed")
     states = _js(driver, "return [...document.querySelectorAll('tr.job-row')].map(r => r.dataset.state)")
     assert states == ["FAILED", "SUCCEEDED"]  # newest first
+    # the failed job's row: the step it had reached (the slower rank's; rank 1 failed after step 30), rank 0's loss
+    failed = _job_row(driver, job_id, lambda r: True)
+    step, loss = _last_reported(orch_m, url, job_id)
+    assert 20 <= step <= 31 and failed["step"] == f"{step} / {STEPS}", (failed, step)
+    assert failed["loss"] == f"{loss:.4f}" and failed["rate"] == "–" and failed["eta"] == "–", (failed, loss)
+    _screenshot(driver, "dashboard-list-finished.png")
     assert "exited with exit code 1" in _js(
         driver, f"return document.querySelector('tr.job-row[data-job-id=\"{job_id}\"] td.cause-cell').textContent")
     assert _severe_console_errors(driver) == []

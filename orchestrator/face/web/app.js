@@ -108,6 +108,28 @@
     return x.toFixed(0);
   }
 
+  function fmtSteps(v) {  // steps/s: about 3 significant digits
+    const x = num(v);
+    if (x === null || !isFinite(x)) return "–";
+    return x >= 100 ? x.toFixed(0) : x >= 10 ? x.toFixed(1) : x.toFixed(2);
+  }
+
+  function fmtEta(seconds) {
+    if (seconds === null || seconds === undefined) return "–";
+    const s = Math.max(0, Math.round(seconds));
+    return s < 86400 ? fmtDur(s) : `${Math.floor(s / 86400)}d${pad2(Math.floor((s % 86400) / 3600))}h`;
+  }
+
+  function stepCell(j) {
+    // the slowest rank's step, of the total with a bar when the script reported one
+    if (j.step === null || j.step === undefined) return el("td", {class: "num job-step", text: "–"});
+    if (!j.total_steps) return el("td", {class: "num job-step", text: j.step});
+    const pct = Math.min(100, (100 * j.step) / j.total_steps);
+    return el("td", {class: "num job-step", title: `${pct.toFixed(1)}% of ${j.total_steps} steps`},
+      el("span", {class: "step-text", text: `${j.step} / ${j.total_steps}`}),
+      el("div", {class: "step-bar"}, el("div", {style: `width:${pct.toFixed(1)}%`})));
+  }
+
   function fmtTick(v, step) {
     if (Math.abs(v) >= 1e5) return v.toExponential(1);
     let digits = 0;   // as many decimals as the tick step needs (0.25 -> 2)
@@ -246,6 +268,11 @@
         el("td", {class: "num", text: j.restarts}),
         el("td", {class: "job-nodes", text: (j.nodes || []).join(", ") || "–"}),
         el("td", {class: "num", text: j.world_size ?? "–"}),
+        stepCell(j),
+        el("td", {class: "num job-loss", title: j.loss_step !== null && j.loss_step !== undefined ?
+                  `at step ${j.loss_step}` : "", text: fmtLoss(j.loss)}),
+        el("td", {class: "num job-rate", text: fmtSteps(j.steps_per_second)}),
+        el("td", {class: "num job-eta", text: fmtEta(j.eta_seconds)}),
         el("td", {class: "job-updated", title: new Date(j.updated_at * 1000).toString(), text: fmtTime(j.updated_at)}),
         el("td", {class: `cause-cell${cause && j.state !== "FAILED" ? " muted" : ""}`, title: cause, text: cause}));
     });
