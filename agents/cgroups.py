@@ -26,7 +26,7 @@ from typing import Iterable
 
 from .attach import attach_dir, node_key, private_dir
 
-__all__ = ["AttemptCgroup", "sweep", "v2_root"]
+__all__ = ["AttemptCgroup", "sweep", "v2_root", "record_path"]
 
 
 def v2_root(mounts: str = "/proc/self/mounts") -> str | None:
@@ -52,8 +52,13 @@ def own_cgroup(proc_cgroup: str = "/proc/self/cgroup") -> str | None:
     return None
 
 
-def _record(attempt_id: str, node_rank: int) -> str:
+def record_path(attempt_id: str, node_rank: int) -> str:
+    """Where the path of the cgroup of ``node_rank`` in ``attempt_id`` is recorded on its node (next to the
+    agent's socket)."""
     return os.path.join(attach_dir(), f"{node_key(attempt_id, node_rank)}.cgroup")
+
+
+_record = record_path
 
 
 class AttemptCgroup:

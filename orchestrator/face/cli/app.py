@@ -23,6 +23,7 @@ from rich.text import Text
 from ... import __version__
 from ...errors import OrchError
 from .export import cmd_export
+from .gc import cmd_gc, gc_options
 from .dropin import DROPINS, dropin_help, run_dropin
 from .jobs import cmd_cancel, cmd_plan, cmd_resume, cmd_run, cmd_submit
 from .options import common_options, host_list, job_arguments, positive_int, seconds_arg, tcp_port
@@ -134,6 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "must exist (or give it as --output model.pt)")
     sp.add_argument("--tag", default=None, help="checkpoint tag, e.g. step_100 (default: the newest complete one); "
                     "an incomplete tag is refused")
+    gc_options(add("gc", cmd_gc, "Remove what finished attempts left behind (scratch of killed agents, their "
+                   "sockets and cgroups, stale files), and with --older-than the logs and checkpoints of jobs "
+                   "finished that long ago; never a running job's files (docs/housekeeping.md)."))
     return p
 
 
