@@ -11,6 +11,10 @@ Three jobs, each run twice from one explicitly built base environment, the real 
   launch`` on each with its ``machine_rank`` runs ``deepspeed --hostfile .. --node_rank .. --no_ssh``;
   orch starts both nodes itself.
 
+orch runs each job twice: ``orch run --accelerate-config FILE --micro-batch-size N ...`` and the very
+``accelerate launch`` command line under ``orch accelerate-launch`` (no micro batch: as under
+``accelerate launch``, the script's Accelerate fills it).
+
 Accelerate 1.15 does not run DeepSpeed in a CPU-only multi-process set-up (``Accelerator()`` needs a
 device, ``prepare`` needs transformers), so the probe does not build an ``Accelerator``: the
 environment and argv are what ``accelerate launch`` gives *before* the script runs, which is what is
@@ -130,6 +134,17 @@ def _run_orch(orch, options: list[str], args: list[str], base: dict, cwd: Path) 
     return detail
 
 
+def _run_dropin(orch, argv: list[str], base: dict, cwd: Path) -> dict:
+    """``orch accelerate-launch -o json <argv>``: the accelerate launch command line itself, under orch."""
+    r = subprocess.run([PYTHON, "-m", "orchestrator", "accelerate-launch", "--output", "json", *argv],
+                       env=orch.env(base, replace=True), cwd=cwd, capture_output=True, text=True, timeout=TIMEOUT)
+    detail = json.loads(r.stdout) if r.stdout.strip().startswith("{") else {}
+    assert r.returncode == 0 and detail.get("state") == "SUCCEEDED", (detail.get("cause"), r.stderr[-3000:])
+    assert_no_leftovers(detail["id"])
+    assert detail["spec"]["micro_batch_size"] is None  # accelerate launch never asks for it
+    return detail
+
+
 def _collect(out: Path, n: int) -> dict[int, dict]:
     reports = probe.load_probe_outputs(str(out))
     assert sorted(reports) == list(range(n)), sorted(reports)
@@ -187,6 +202,9 @@ def test_one_machine_plugin_config(orch, work, tmp_path, monkeypatch) -> None:
     expected = accelerate_ds_config(env, work, monkeypatch, micro=4, world=2)
     assert _orch_config(ours) == expected == accelerate_ds_config(ours[0]["env"], work, monkeypatch, micro=4, world=2)
     assert expected["fp16"] == {"enabled": True, "auto_cast": True} and expected["train_batch_size"] == 8
+    # the accelerate launch command line itself, under orch: the same ranks
+    _run_dropin(orch, ["--config_file", "accel.yaml", str(PROBE), *args], base, work)
+    _compare(real, _collect(out, 2), {**ORCH_ADDED, **TORCHRUN})
 
 
 DS_AUTO = {"bf16": {"enabled": "auto"},
@@ -229,6 +247,17 @@ def test_one_machine_config_file_and_flags(orch, work, tmp_path, monkeypatch) ->
     assert under_orch.pop("csv_monitor")["enabled"] is True
     assert under_orch == expected
     assert expected["zero_optimization"]["stage"] == 3 and expected["train_batch_size"] == 2 * 5 * 2
+    # the accelerate launch command line itself, under orch (no micro batch): the same ranks, and the script's
+    # Accelerate makes the same DeepSpeed config of orch's copy, whose batch sizes it fills
+    _run_dropin(orch, ["--config_file", "accel.yaml", *[f"--{k}={v}" for k, v in FLAGS.items()], str(PROBE), "x"],
+                base, work)
+    dropin = _collect(out, 2)
+    _compare(real, dropin, {**ORCH_ADDED, **TORCHRUN, "ACCELERATE_DEEPSPEED_CONFIG_FILE": "orch's resolved copy"})
+    with open(dropin[0]["env"]["ORCH_DEEPSPEED_CONFIG"]) as f:
+        assert json.load(f)["train_micro_batch_size_per_gpu"] == "auto"
+    under_dropin = accelerate_ds_config(dropin[0]["env"], work, monkeypatch, micro=2, world=2)
+    assert under_dropin.pop("csv_monitor")["enabled"] is True
+    assert under_dropin == expected
 
 
 def test_two_machines_nossh(orch, work, tmp_path, monkeypatch) -> None:
@@ -257,3 +286,5 @@ def test_two_machines_nossh(orch, work, tmp_path, monkeypatch) -> None:
     expected = accelerate_ds_config(real[0]["env"], work, monkeypatch, micro=1, world=2)
     assert _orch_config(ours) == expected
     assert expected["bf16"] == {"enabled": True} and expected["train_batch_size"] == 1 * 2 * 2
+    _run_dropin(orch, ["--config_file", "accel0.yaml", str(PROBE), "a"], base, work)
+    _compare(real, _collect(out, 2), ORCH_ADDED)

@@ -31,7 +31,7 @@ from typing import Any, Sequence
 
 from ..errors import SpecError
 
-__all__ = ["RunnerOption", "RUNNER_OPTIONS", "RUNNER_HOSTFILE", "RUNNER_MASTER_PORT", "add_runner_arguments",
+__all__ = ["RunnerOption", "GivenAction", "add_options", "RUNNER_OPTIONS", "RUNNER_HOSTFILE", "RUNNER_MASTER_PORT", "add_runner_arguments",
            "RunnerJob", "runner_job", "script_job_name", "config_from_script_args"]
 
 #: runner.py ``DLTS_HOSTFILE``: the hostfile read when ``--hostfile`` is not given.
@@ -116,7 +116,7 @@ RUNNER_OPTIONS: tuple[RunnerOption, ...] = (
 )
 
 
-class _Given(argparse.Action):
+class GivenAction(argparse.Action):
     """Store the value (as ``store`` / ``store_true`` do) and record that it was given on the command line."""
 
     def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
@@ -124,6 +124,20 @@ class _Given(argparse.Action):
         setattr(namespace, self.dest, True if self.nargs == 0 else values)
         given = set(getattr(namespace, "runner_given", ()) or ())
         namespace.runner_given = given | {self.dest}
+
+
+def add_options(group: Any, options: Sequence[RunnerOption]) -> None:
+    """Add ``options`` to an argparse parser or group, each with :class:`GivenAction` (so the namespace's
+    ``runner_given`` names those given), its type, default and choices as the real tool declares them."""
+    for o in options:
+        kw: dict[str, Any] = {"dest": o.dest, "default": o.default, "action": GivenAction, "help": o.meaning}
+        if o.kind == "store_true":
+            kw["nargs"] = 0
+        else:
+            kw["type"] = o.type
+            if o.choices:
+                kw["choices"] = list(o.choices)
+        group.add_argument(*o.flags, **kw)
 
 
 def add_runner_arguments(parser: argparse.ArgumentParser, title: str = "deepspeed's arguments") -> None:
@@ -134,15 +148,7 @@ def add_runner_arguments(parser: argparse.ArgumentParser, title: str = "deepspee
     """
     group = parser.add_argument_group(title, "the deepspeed command's own arguments, parsed as it parses them; "
                                       "after each, what it is under orch")
-    for o in RUNNER_OPTIONS:
-        kw: dict[str, Any] = {"dest": o.dest, "default": o.default, "action": _Given, "help": o.meaning}
-        if o.kind == "store_true":
-            kw["nargs"] = 0
-        else:
-            kw["type"] = o.type
-            if o.choices:
-                kw["choices"] = list(o.choices)
-        group.add_argument(*o.flags, **kw)
+    add_options(group, RUNNER_OPTIONS)
     parser.add_argument("user_script", type=str, help="the training script (a module with --module, a program with "
                         "--no_python), then its arguments")
     parser.add_argument("user_args", nargs=argparse.REMAINDER, help="the script's arguments")

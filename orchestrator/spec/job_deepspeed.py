@@ -108,23 +108,26 @@ def job_deepspeed(spec: Any, slots_per_node: list[int] | tuple[int, ...],
     base_config = user if from_file else plugin_config(settings)
     what = f"DeepSpeed config {where}" if from_file else \
         f"DeepSpeed config built from Accelerate config {acc.source}"
-    if not from_file:
-        filler = _plugin_filler(spec)
+    if not from_file or (filler is not None and filler.filled_by == "orch" and spec.deepspeed_config_filled_by == "auto"):
+        filler = _accelerate_fills(spec, from_file)
     resolved = _resolve(base_config, settings, run, filler, accelerate=True, from_file=from_file, source=what)
     pythonpath = spec.env.get("PYTHONPATH", controller_env.get("PYTHONPATH"))
     return JobDeepSpeed(resolved.config, tuple(acc.notes()) + resolved.warnings, acc, spec.accelerate, from_file,
                         spec.workdir, pythonpath, frozenset(spec.env), _autos(filler, resolved))
 
 
-def _plugin_filler(spec: Any) -> Filler | None:
-    """Who fills the "auto" values of a config built from an Accelerate config (no DeepSpeed config file):
-    orch where the spec gives the micro batch, else the script's Accelerate, which fills them in
-    ``accelerator.prepare()`` from the DataLoader and the model (``Accelerator._prepare_deepspeed``),
-    as it does under ``accelerate launch``, which never asks for the micro batch."""
-    if spec.micro_batch_size is not None:
+def _accelerate_fills(spec: Any, from_file: bool) -> Filler | None:
+    """Who fills the "auto" values of a config Accelerate reads (an Accelerate job whose spec does not say
+    who fills them, and whose script orch did not find to fill them itself): orch where the spec gives the
+    micro batch or the hidden size, else the script's Accelerate, which fills them in ``accelerator.prepare()`` from the
+    DataLoader and the model (``Accelerator._prepare_deepspeed``), as under ``accelerate launch``,
+    which never asks for the micro batch. Accelerate alone reads the config (through
+    ``ACCELERATE_DEEPSPEED_CONFIG_FILE`` or, without a file, the ``ACCELERATE_*`` settings)."""
+    if (spec.micro_batch_size, spec.hidden_size, spec.model_config_path) != (None, None, None):
         return None
-    return Filler("script", "accelerate", "built from an Accelerate config: Accelerate fills its \"auto\" values "
-                                          "in the script's accelerator.prepare() (micro_batch_size makes orch fill them)")
+    what = "the DeepSpeed config file of an Accelerate job" if from_file else "built from an Accelerate config"
+    return Filler("script", "accelerate", f"{what}: Accelerate fills its \"auto\" values in the script's "
+                                          "accelerator.prepare() (micro_batch_size or hidden_size makes orch fill them)")
 
 
 def _filler(spec: Any, user: Mapping[str, Any]) -> Filler | None:

@@ -1,4 +1,5 @@
-"""The drop-in commands: ``orch deepspeed ...`` runs what ``deepspeed ...`` would, under orch.
+"""The drop-in commands: ``orch deepspeed ...`` runs what ``deepspeed ...`` would, under orch, and
+``orch accelerate-launch ...`` what ``accelerate launch ...`` would.
 
 The command line is parsed as the real tool parses it (``orchestrator.spec.deepspeed_cmd``), made
 into an ordinary job spec, shown (``--print-spec FILE`` writes it), and then run in the foreground
@@ -51,6 +52,21 @@ def deepspeed_parser() -> Parser:
                "--deepspeed --deepspeed_config ds.json")
     _orch_options(p, "deepspeed")
     add_runner_arguments(p)
+    return p
+
+
+def accelerate_parser() -> Parser:
+    """``orch accelerate-launch``'s parser: orch's options, then ``accelerate launch``'s (DeepSpeed's launch)."""
+    from ...spec.accelerate_cmd import add_launch_arguments
+    p = Parser(prog="orch accelerate-launch", allow_abbrev=False,
+               usage="orch accelerate-launch [orch options] [accelerate launch options] script.py [args ...]",
+               description="Run an accelerate launch command line (Accelerate's DeepSpeed launch) under orch: "
+               "the same config file and flags with the same precedence, the same ranks with the same "
+               "environment and argv, with orch's supervision, logs, metrics and resume. The micro batch is "
+               "left to the script's Accelerate, as accelerate launch leaves it (docs/accelerate.md).",
+               epilog="Example: orch accelerate-launch --config_file accel.yaml train.py --lr 1e-4")
+    _orch_options(p, "accelerate launch")
+    add_launch_arguments(p)
     return p
 
 
@@ -156,10 +172,20 @@ def _deepspeed(argv: list[str], top: argparse.Namespace) -> int:
     return _run_job(ns, fields, notes, "deepspeed")
 
 
+def _accelerate(argv: list[str], top: argparse.Namespace) -> int:
+    from ...spec.accelerate_cmd import accelerate_job
+    ns, unknown = accelerate_parser().parse_known_args(argv, namespace=top)
+    ns.unknown = unknown
+    job = accelerate_job(ns, os.getcwd(), os.environ, local_slots=_local_slots()[0])
+    return _run_job(ns, dict(job.fields), list(job.notes), "accelerate launch")
+
+
 #: ``orch <name>``: (what it runs, the parser that documents it, one line for ``orch --help``).
 DROPINS: dict[str, tuple[Callable[[list[str], argparse.Namespace], int], Callable[[], Parser], str]] = {
     "deepspeed": (_deepspeed, deepspeed_parser, "Run a deepspeed command line (the same arguments) as an orch "
                   "job: orch deepspeed --hostfile H --include ... train.py --deepspeed --deepspeed_config ds.json"),
+    "accelerate-launch": (_accelerate, accelerate_parser, "Run an accelerate launch command line (the same config "
+                          "file and flags) as an orch job: orch accelerate-launch --config_file accel.yaml train.py"),
 }
 
 
