@@ -80,8 +80,6 @@ def build_parser() -> argparse.ArgumentParser:
         sp.set_defaults(func=func)
         return sp
 
-    for name in DROPINS:  # parsed by run_dropin (main); listed here for orch --help
-        sub.add_parser(name, help=dropin_help(name), add_help=False)
     sp = add("plan", cmd_plan, "Show where every rank of a job would run, with its environment and command "
              "line, and the command the real launcher would run. Starts nothing.")
     job_arguments(sp)
@@ -90,6 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp = add("run", cmd_run, "Run a job in the foreground with live progress; exit 0 only if it succeeds. "
              "Ctrl-C cancels it.")
     job_arguments(sp)
+    for name in DROPINS:  # parsed by run_dropin (main); listed here for orch --help
+        sub.add_parser(name, help=dropin_help(name), add_help=False)
     sp = add("server", cmd_server, "Run the controller as a service: the HTTP API, the web dashboard (/) and "
              "the controller's Prometheus metrics (/metrics).")
     _server_options(sp)

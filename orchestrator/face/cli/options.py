@@ -87,6 +87,12 @@ def env_patterns(text: str) -> list[str]:
 
 
 def job_arguments(parser: argparse.ArgumentParser) -> None:
+    """The job a command plans, runs or submits: a spec (amended by the options after it), or an Accelerate
+    config and a script. The usage line names the two forms, not every option (``--help`` groups them)."""
+    name = parser.prog
+    parser.usage = (f"{name} [options] job.yaml [job options]\n       {name} [options] --accelerate-config FILE "
+                    "[Accelerate options] script.py [args ...]\n       (or the deepspeed or accelerate launch command "
+                    "line itself: orch deepspeed ..., orch accelerate-launch ...)")
     parser.add_argument("spec", metavar="SPEC|SCRIPT", nargs="?", help="job spec (YAML); with --accelerate-config, "
                         "a training script instead (then every later word is the script's argument)")
     parser.add_argument("script_args", metavar="...", nargs=argparse.REMAINDER,
