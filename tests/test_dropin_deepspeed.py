@@ -260,3 +260,46 @@ def test_same_ranks_as_the_real_runner(case: str, tmp_path: Path, state_dir: Pat
     assert detail["spec"]["deepspeed_config"] == str(work / "ds.json") and detail["spec"]["workdir"] == str(work)
     with open(ours[0]["env"]["ORCH_DEEPSPEED_CONFIG"]) as f:  # orch checked and wrote the script's config
         assert {k: v for k, v in json.load(f).items() if k != "csv_monitor"} == DS_CONFIG
+
+
+# --------------------------------------------------------------------------- an ordinary job: orch resume
+
+
+@pytest.mark.integration
+def test_a_failed_orch_deepspeed_job_resumes_from_what_the_script_saved(tmp_path: Path, state_dir: Path) -> None:
+    """A DeepSpeed tutorial script, unchanged but for a fault it injects once, under ``orch deepspeed``: a rank
+    fails after step 25, the job is FAILED naming it; ``orch resume`` starts attempt 2 from the script's own
+    last checkpoint (its --save_dir, global_step20), and the script loads it and trains on to step 30."""
+    scripts = Path(__file__).with_name("scripts")
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "hostfile").write_text("nodeA slots=1\nnodeB slots=1\n")
+    env = {**os.environ, "ORCH_STATE_DIR": str(state_dir), "OMP_NUM_THREADS": "1"}
+    argv = ["--hostfile", "hostfile", "--master_addr", "127.0.0.1", str(scripts / "ds_tutorial_train.py"),
+            "--deepspeed", "--deepspeed_config", str(scripts / "ds_tutorial_zero2.json"), "--steps", "30",
+            "--save_dir", "ck", "--load_dir", "ck", "--save_interval", "10", "--fail_at_step", "25",
+            "--fail_rank", "1", "--fail_once", str(tmp_path / "failed-once")]
+    r = subprocess.run([PYTHON, "-m", "orchestrator", "deepspeed", "--provisioner", "local", *argv], cwd=work,
+                       env=env, capture_output=True, text=True, timeout=TIMEOUT, stdin=subprocess.DEVNULL)
+    assert r.returncode == 1, r.stderr[-3000:]
+    assert f"orch watches {work / 'ck'} (the script's --save_dir)" in r.stderr
+    detail = json.loads(subprocess.run([PYTHON, "-m", "orchestrator", "-o", "json", "list"], env=env,
+                                       capture_output=True, text=True, timeout=60).stdout)[0]
+    job = detail["id"]
+    cause = detail["cause"]
+    assert detail["state"] == "FAILED" and cause["kind"] == "rank_exit" and cause["global_rank"] == 1, detail
+    assert any("injected failure at step 25 on rank 1" in line for line in cause["log_tail"])
+    assert_no_leftovers(job)
+
+    r = subprocess.run([PYTHON, "-m", "orchestrator", "-o", "json", "resume", job], env=env, capture_output=True,
+                       text=True, timeout=TIMEOUT, stdin=subprocess.DEVNULL)
+    resumed = json.loads(r.stdout)
+    assert r.returncode == 0 and resumed["state"] == "SUCCEEDED", (resumed.get("cause"), r.stderr[-3000:])
+    assert resumed["spec"]["checkpoint_dir"] == str(work / "ck") and resumed["spec"]["launcher"] == "pdsh"
+    assert [a["resume_tag"] for a in resumed["attempts"]] == [None, "global_step20"]
+    assert_no_leftovers(job)
+    log = subprocess.run([PYTHON, "-m", "orchestrator", "logs", job, "--rank", "1"], env=env, capture_output=True,
+                         text=True, timeout=60).stdout
+    assert "resumed rank=1 from=ck/global_step20/mp_rank_00_model_states.pt global_step=20" in log
+    steps = [int(line.split()[0][5:]) for line in log.splitlines() if line.startswith("step=")]
+    assert steps == list(range(21, 31))  # attempt 2 alone (the latest), from the step after the checkpoint

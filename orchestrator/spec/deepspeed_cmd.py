@@ -31,7 +31,7 @@ from typing import Any, Sequence
 
 from ..errors import SpecError
 
-__all__ = ["RunnerOption", "GivenAction", "add_options", "RUNNER_OPTIONS", "RUNNER_HOSTFILE", "RUNNER_MASTER_PORT", "add_runner_arguments",
+__all__ = ["checkpoint_dir_from_script_args", "RunnerOption", "GivenAction", "add_options", "RUNNER_OPTIONS", "RUNNER_HOSTFILE", "RUNNER_MASTER_PORT", "add_runner_arguments",
            "RunnerJob", "runner_job", "script_job_name", "config_from_script_args"]
 
 #: runner.py ``DLTS_HOSTFILE``: the hostfile read when ``--hostfile`` is not given.
@@ -187,6 +187,24 @@ def config_from_script_args(args: Sequence[str]) -> str | None:
                 found = args[i + 1]
             elif arg.startswith(flag + "="):
                 found = arg[len(flag) + 1:]
+    return found
+
+
+#: The script arguments that name where a training script writes its checkpoints, by the names the usual
+#: scripts give them (DeepSpeed's examples: ``--save_dir``; the HF Trainer's ``TrainingArguments``:
+#: ``--output_dir``; others: ``--checkpoint_dir``, ``--ckpt_dir``), with ``-`` or ``_``.
+CHECKPOINT_ARGS = ("--save_dir", "--output_dir", "--checkpoint_dir", "--ckpt_dir")
+
+
+def checkpoint_dir_from_script_args(args: Sequence[str]) -> tuple[str, str] | None:
+    """Where a script writes its checkpoints, read from its arguments: ``(flag, directory)`` of the last
+    of :data:`CHECKPOINT_ARGS` given (``--save_dir DIR`` or ``--save_dir=DIR``), or None."""
+    found = None
+    names = {n for flag in CHECKPOINT_ARGS for n in (flag, flag[:2] + flag[2:].replace("_", "-"))}
+    for i, arg in enumerate(args):
+        name, eq, value = arg.partition("=")
+        if name in names and (eq or i + 1 < len(args)):
+            found = (name, value if eq else args[i + 1])
     return found
 
 

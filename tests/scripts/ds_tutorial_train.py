@@ -14,6 +14,8 @@ all come from it), ``deepspeed.initialize(args=..., model=..., model_parameters=
 * Every ``--save_interval`` steps (with ``--save_dir``): ``engine.save_checkpoint(save_dir,
   client_state={"step": ...})`` with DeepSpeed's default tag ``global_step<N>`` (it also
   writes ``<save_dir>/latest``).
+* ``--fail_at_step N --fail_rank R --fail_once FILE``: rank R raises after step N unless FILE exists
+  (it creates FILE first), so a resumed run gets past it.
 * ``--load_dir``: ``engine.load_checkpoint(load_dir)`` (the tag named by ``latest``), then go
   on from the client state's step; with no checkpoint there, start from step 0.
 
@@ -44,6 +46,10 @@ def parse_args():
     p.add_argument("--save_dir", default=None)
     p.add_argument("--load_dir", default=None)
     p.add_argument("--save_interval", type=int, default=10)
+    p.add_argument("--fail_once", default=None, metavar="FILE",
+                   help="fault injection: with --fail_at_step, fail there only if FILE does not exist (and create it)")
+    p.add_argument("--fail_at_step", type=int, default=None)
+    p.add_argument("--fail_rank", type=int, default=1)
     p.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", "-1")),
                    help="passed by the launcher")
     p = deepspeed.add_config_arguments(p)
@@ -98,6 +104,10 @@ def main():
             engine.step()
             local += loss.item() / accum
         assert engine.global_steps == step, (engine.global_steps, step)
+        if step == args.fail_at_step and rank == args.fail_rank and args.fail_once \
+                and not os.path.exists(args.fail_once):
+            open(args.fail_once, "w").close()
+            raise RuntimeError(f"injected failure at step {step} on rank {rank}")
         sys.stdout.write(f"step={step} rank={rank} loss={local!r}\n")
         sys.stdout.flush()
         if args.save_dir and step % args.save_interval == 0:

@@ -32,6 +32,9 @@ def _orch_options(parser: argparse.ArgumentParser, tool: str) -> None:
     g.add_argument("--provisioner", choices=["auto", "local", "ssh", "ray", "slurm"], default="auto",
                    help="how each node's agent is started (default auto: local when every host is this machine, "
                         "else ssh)")
+    g.add_argument("--checkpoint-dir", metavar="DIR", default=None,
+                   help="where the script writes its checkpoints, which orch watches and resumes from (default: "
+                        "the script's own --save_dir, --output_dir, --checkpoint_dir or --ckpt_dir, if it has one)")
     g.add_argument("--print-spec", metavar="FILE", default=None,
                    help="write the equivalent job spec (YAML) to FILE ('-': standard output, and start nothing)")
     mode = g.add_mutually_exclusive_group()
@@ -132,6 +135,23 @@ def _spec_text(fields: dict[str, Any]) -> str:
     return yaml.safe_dump(fields, sort_keys=False, allow_unicode=True, width=1000)
 
 
+def _checkpoints(ns: argparse.Namespace, fields: dict[str, Any], notes: list[str]) -> None:
+    """The job's ``checkpoint_dir``: ``--checkpoint-dir``, else the directory the script's own arguments
+    name (:func:`~orchestrator.spec.deepspeed_cmd.checkpoint_dir_from_script_args`), so ``orch resume``
+    finds what the script saved; else orch's own directory of the job (``ORCH_CHECKPOINT_DIR``)."""
+    from ...spec.deepspeed_cmd import checkpoint_dir_from_script_args
+    found = checkpoint_dir_from_script_args(fields.get("args", []))
+    if ns.checkpoint_dir:
+        fields["checkpoint_dir"] = os.path.abspath(os.path.expanduser(ns.checkpoint_dir))
+    elif found:
+        fields["checkpoint_dir"] = os.path.abspath(os.path.expanduser(found[1]))
+        notes.append(f"checkpoints: orch watches {fields['checkpoint_dir']} (the script's {found[0]}) and resumes "
+                     "from its last complete checkpoint (--checkpoint-dir DIR names another)")
+    else:
+        notes.append("checkpoints: the script names no --save_dir/--output_dir/--checkpoint_dir, so orch looks in its "
+                     "own ORCH_CHECKPOINT_DIR; give --checkpoint-dir DIR where the script saves, for orch resume")
+
+
 def _run_job(ns: argparse.Namespace, fields: dict[str, Any], notes: list[str], tool: str) -> int:
     """Make the spec, show it, and run, plan or submit it as ``orch run``/``plan``/``submit`` would."""
     from ...spec import spec_from_dict
@@ -140,6 +160,7 @@ def _run_job(ns: argparse.Namespace, fields: dict[str, Any], notes: list[str], t
         raise UsageError(f"--output {ns.output!r}: expected table or json.")
     if ns.name:
         fields["name"] = ns.name
+    _checkpoints(ns, fields, notes)
     fields["provisioner"] = _provisioner(ns.provisioner, fields.get("hostfile"))
     spec = spec_from_dict(fields, os.getcwd(), source=f"(the {tool} command line)")
     text = _spec_text(fields)
