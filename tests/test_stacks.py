@@ -47,6 +47,13 @@ def test_orch_stacks_names_the_line_every_rank_sleeps_on(orch, write_spec, hostf
         for rank, d in report["ranks"].items():
             assert d["where"].startswith("wait_for_the_data (") and "sleeper.py:5" in d["where"], d
             assert os.path.isfile(d["file"]) and "wait_for_the_data" in open(d["file"]).read()
+        # orch status shows where a rank is once it has made no progress for --stuck-after seconds
+        status = wait_for(lambda: (lambda r: r if "rank 1: no progress for " in r.stdout else None)(
+            orch("status", job_id, "--stuck-after", "1")), 30, "orch status to show the quiet ranks")
+        assert "rank 0: no progress for " in status.stdout, status.stdout
+        assert "now in wait_for_the_data (" in status.stdout and "sleeper.py:5" in status.stdout
+        quiet = orch("status", job_id)  # the default, 60 s, has not passed: no dumps
+        assert quiet.returncode == 0 and "no progress for" not in quiet.stdout
         one = orch("stacks", job_id, "--rank", "1")
         assert one.returncode == 0 and "rank 1: in wait_for_the_data (" in one.stdout and "rank 0" not in one.stdout
         r = orch("stacks", job_id, "--rank", "7")

@@ -95,14 +95,16 @@ def rank_rows(store: Store, attempt: AttemptRecord) -> list[dict[str, Any]]:
     monitor for rank 0); ``progress_source`` says where reported metrics come from
     (``report``, ``deepspeed``), else ``log`` when only the log has steps; ``lr``,
     ``samples_per_second``, ``tokens_per_second``, ``step_seconds`` and ``reported_at`` come
-    from reports only.
+    from reports only; ``started_at`` is when the rank started and ``progress_at`` when it last made
+    progress (its last step, or its start before the first; Unix times, None before it started).
     """
     rows: dict[int, dict[str, Any]] = {}
     for node in attempt.plan.get("nodes", []):
         for r in node["ranks"]:
             rows[r["global_rank"]] = {"global_rank": r["global_rank"], "local_rank": r["local_rank"],
                                       "node_rank": node["node_rank"], "host": node["host"], "slot": r["slot"],
-                                      "pid": None, "state": "pending", "returncode": None, "how": None}
+                                      "pid": None, "state": "pending", "returncode": None, "how": None,
+                                      "started_at": None}
     for ev in store.events(attempt.job_id):
         if ev.attempt != attempt.number:
             continue
@@ -110,7 +112,7 @@ def rank_rows(store: Store, attempt: AttemptRecord) -> list[dict[str, Any]]:
             for r in ev.data.get("ranks", []):
                 row = rows.get(r["global_rank"])
                 if row is not None:
-                    row.update(pid=r.get("pid"), state="running")
+                    row.update(pid=r.get("pid"), state="running", started_at=ev.at)
         elif ev.kind == "rank_exit":
             row = rows.get(ev.data["global_rank"])
             if row is not None and row["returncode"] is None:
@@ -134,9 +136,23 @@ def rank_rows(store: Store, attempt: AttemptRecord) -> list[dict[str, Any]]:
                 if point.get("loss") is not None:
                     row["loss"] = _float(point["loss"])
         row["reported_at"] = point["at"] if point else None
+        row["progress_at"] = _progress_at(row, log_path(attempt.plan, rank))
         for key in ("lr", "samples_per_second", "tokens_per_second", "step_seconds"):
             row[key] = _float(point.get(key)) if point else None
     return [rows[k] for k in sorted(rows)]
+
+
+def _progress_at(row: dict[str, Any], log: str) -> float | None:
+    """When the rank last made progress (Unix time): its last reported step; for steps read from its log,
+    the log's last write; with no step yet, when it started. None before it started."""
+    if row["reported_at"] is not None:
+        return row["reported_at"]
+    if row["progress_source"] == "log":
+        try:
+            return os.path.getmtime(log)
+        except OSError:
+            return None
+    return row.get("started_at")
 
 
 def _float(value: Any) -> float | str | None:

@@ -94,8 +94,12 @@ def build_parser() -> argparse.ArgumentParser:
              "the controller's Prometheus metrics (/metrics).")
     _server_options(sp)
     _submit_and_list(add)
-    sp = add("status", cmd_status, "Show a job: its attempts, their causes, and every rank's state and progress.")
+    sp = add("status", cmd_status, "Show a job: its attempts, their causes, and every rank's state and progress; "
+             "for a rank with no progress for a while, where it is now (its stacks).")
     sp.add_argument("job", help="job id (or a unique prefix)")
+    sp.add_argument("--stuck-after", type=seconds_arg, default=60.0, metavar="SECONDS",
+                    help="show where a running rank is (orch stacks' innermost frame) once it has made no "
+                         "progress for SECONDS (default 60; 0: never)")
     sp = add("logs", cmd_logs, "Print a job's rank logs (all ranks, each line prefixed, or one rank).")
     sp.add_argument("job", help="job id (or a unique prefix)")
     sp.add_argument("--rank", type=int, default=None, help="only this global rank, without prefixes")

@@ -10,6 +10,7 @@ import time
 from rich.table import Table
 from rich.text import Text
 
+from ...errors import OrchError
 from .backends import pick_backend
 from ..limits import MAX_LIST_JOBS
 from .output import ago, console, err_console, print_json, printable, styled
@@ -56,6 +57,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     c.print(attempts)
     c.print(Text(f"Ranks of attempt {detail['attempt']}", style="bold"))
     c.print(RanksTable(detail))
+    for line in stuck_lines(args, detail):
+        c.print(line, markup=False, highlight=False, style="yellow")
     for line in cause_lines(detail)[1:]:
         c.print(line, markup=False, highlight=False)
     for line in checkpoint_lines(detail.get("checkpoints")):
@@ -63,6 +66,30 @@ def cmd_status(args: argparse.Namespace) -> int:
     for step in detail.get("next_steps") or []:
         c.print(f"next: {step}", markup=False, highlight=False)
     return 0
+
+
+def stuck_lines(args: argparse.Namespace, detail: dict) -> list[str]:
+    """For a RUNNING job, each running rank with no progress for ``args.stuck_after`` seconds (no step since
+    then, or none since it started) and where it is now: the innermost frame of its main thread, dumped as
+    ``orch stacks`` dumps it. Empty when every rank moves (or ``--stuck-after 0``)."""
+    if detail["state"] != "RUNNING" or not getattr(args, "stuck_after", 0):
+        return []
+    now = time.time()
+    quiet = {r["global_rank"]: now - r["progress_at"] for r in detail["ranks"]
+             if r["state"] == "running" and r.get("progress_at") and now - r["progress_at"] >= args.stuck_after}
+    if not quiet:
+        return []
+    try:
+        dumps = pick_backend(args).stacks(detail["id"], next(iter(quiet)) if len(quiet) == 1 else None)["ranks"]
+    except OrchError as err:
+        dumps = {str(rank): {"error": str(err)} for rank in quiet}
+    lines = []
+    for rank, seconds in sorted(quiet.items()):
+        d = dumps.get(str(rank)) or {"error": "no dump"}
+        where = f"now in {d['where']}" if d.get("where") else f"its stacks: {d.get('error')}"
+        lines.append(f"rank {rank}: no progress for {seconds:.0f} s; {where} (orch stacks {detail['id']} "
+                     f"--rank {rank})")
+    return lines
 
 
 def cmd_logs(args: argparse.Namespace) -> int:
