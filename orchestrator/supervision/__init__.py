@@ -9,7 +9,7 @@ planning an attempt), :mod:`.ports` (master ports), :mod:`.attempt` (one attempt
 :mod:`.messages` (what each agent message does: the one table of handlers), :mod:`.provisioning`,
 :mod:`.preflight`, :mod:`.watches` (node silence, hangs), :mod:`.teardown`, :mod:`.restarts` (the
 restart policy), :mod:`.resume` (where a resume starts), :mod:`.orphans` (jobs whose controller died),
-:mod:`.settings` (deadlines).
+:mod:`.settings` (deadlines), :mod:`.pruning` (the spec's checkpoint retention), :mod:`.housekeeping` (``orch gc``).
 """
 
 from .attempt import AttemptRun
