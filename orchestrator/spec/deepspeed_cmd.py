@@ -31,7 +31,7 @@ from typing import Any, Sequence
 
 from ..errors import SpecError
 
-__all__ = ["checkpoint_dir_from_script_args", "RunnerOption", "GivenAction", "add_options", "RUNNER_OPTIONS", "RUNNER_HOSTFILE", "RUNNER_MASTER_PORT", "add_runner_arguments",
+__all__ = ["script_flag", "checkpoint_dir_from_script_args", "RunnerOption", "GivenAction", "add_options", "RUNNER_OPTIONS", "RUNNER_HOSTFILE", "RUNNER_MASTER_PORT", "add_runner_arguments",
            "RunnerJob", "runner_job", "script_job_name", "config_from_script_args"]
 
 #: runner.py ``DLTS_HOSTFILE``: the hostfile read when ``--hostfile`` is not given.
@@ -175,19 +175,23 @@ def script_job_name(script: str) -> str:
     return stem or "job"
 
 
+def script_flag(args: Sequence[str], names: Sequence[str]) -> tuple[str, str] | None:
+    """The value a script's arguments give one of ``names`` (``--flag VALUE`` or ``--flag=VALUE``), as
+    argparse reads it: the last one given wins. Returns ``(flag as given, value)``, or None."""
+    found = None
+    for i, arg in enumerate(args):
+        name, eq, value = arg.partition("=")
+        if name in names and (eq or i + 1 < len(args)):
+            found = (name, value if eq else args[i + 1])
+    return found
+
+
 def config_from_script_args(args: Sequence[str]) -> str | None:
     """The DeepSpeed config a script is given on its command line, as DeepSpeed's
     ``deepspeed.add_config_arguments`` reads it: ``--deepspeed_config FILE`` (or
-    ``--deepspeed_config=FILE``; the deprecated ``--deepscale_config`` too); the last one wins, as
-    with argparse. None when there is none."""
-    found = None
-    for i, arg in enumerate(args):
-        for flag in ("--deepspeed_config", "--deepscale_config"):
-            if arg == flag and i + 1 < len(args):
-                found = args[i + 1]
-            elif arg.startswith(flag + "="):
-                found = arg[len(flag) + 1:]
-    return found
+    ``--deepspeed_config=FILE``; the deprecated ``--deepscale_config`` too). None when there is none."""
+    found = script_flag(args, ("--deepspeed_config", "--deepscale_config"))
+    return found[1] if found else None
 
 
 #: The script arguments that name where a training script writes its checkpoints, by the names the usual
@@ -198,14 +202,8 @@ CHECKPOINT_ARGS = ("--save_dir", "--output_dir", "--checkpoint_dir", "--ckpt_dir
 
 def checkpoint_dir_from_script_args(args: Sequence[str]) -> tuple[str, str] | None:
     """Where a script writes its checkpoints, read from its arguments: ``(flag, directory)`` of the last
-    of :data:`CHECKPOINT_ARGS` given (``--save_dir DIR`` or ``--save_dir=DIR``), or None."""
-    found = None
-    names = {n for flag in CHECKPOINT_ARGS for n in (flag, flag[:2] + flag[2:].replace("_", "-"))}
-    for i, arg in enumerate(args):
-        name, eq, value = arg.partition("=")
-        if name in names and (eq or i + 1 < len(args)):
-            found = (name, value if eq else args[i + 1])
-    return found
+    of :data:`CHECKPOINT_ARGS` given (``--save_dir DIR`` or ``--save_dir=DIR``, dashes or underscores), or None."""
+    return script_flag(args, [n for flag in CHECKPOINT_ARGS for n in (flag, "--" + flag[2:].replace("_", "-"))])
 
 
 def runner_job(ns: argparse.Namespace, cwd: str, *, hostfile_found: bool) -> RunnerJob:

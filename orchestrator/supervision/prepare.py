@@ -25,6 +25,7 @@ from ..errors import FilterError, HostfileError, PlanError, SpecError
 from ..launchers.deepspeed import ACCELERATOR_EXPORT_PREFIXES, deepspeed_env_files
 from ..planning import JobPlan, PlanInputs, ResourcePool, load_hostfile, make_plan, resolve_pool
 from ..provisioners import Provisioner, get_provisioner
+from ..spec.deepspeed_cmd import script_flag
 from ..spec import JobSpec, job_deepspeed
 from .ports import PortLease, default_lock_dir, reserve_port
 
@@ -39,18 +40,9 @@ def checkpoint_dir_of(spec: JobSpec, state_dir: str | Path, job_id: str) -> str:
 def output_dir_arg(spec: JobSpec) -> str | None:
     """The ``--output_dir`` (or ``--output-dir``) the spec's arguments give the script (HF Trainer's
     ``TrainingArguments.output_dir``, where it writes ``checkpoint-<N>``), absolute (relative: to the
-    workdir); None if they give none."""
-    args = list(spec.args)
-    for i, arg in enumerate(args):
-        for flag in ("--output_dir", "--output-dir"):
-            if arg == flag and i + 1 < len(args):
-                value = args[i + 1]
-            elif arg.startswith(flag + "="):
-                value = arg[len(flag) + 1:]
-            else:
-                continue
-            return str((Path(spec.workdir) / os.path.expanduser(value)).resolve())
-    return None
+    workdir; the last given, as argparse reads them); None if they give none."""
+    found = script_flag(spec.args, ("--output_dir", "--output-dir"))
+    return str((Path(spec.workdir) / os.path.expanduser(found[1])).resolve()) if found else None
 
 
 def resume_dir_of(spec: JobSpec, state_dir: str | Path, job_id: str) -> str:
