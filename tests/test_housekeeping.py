@@ -134,17 +134,31 @@ def test_keep_last_and_keep_every_prune_a_deepspeed_job_which_still_resumes(orch
 
     r = orch("resume", job, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    later = {t for e in orch.events(job, "checkpoints_pruned") if e.attempt == 2 for t in e.data["tags"]}
+    assert later == {f"global_step{s}" for s in range(newest - 10, 190, 10)} - {"global_step100", "global_step150"}
     detail = orch.json("status", job)
     assert detail["state"] == "SUCCEEDED" and detail["attempts"][1]["resume_tag"] == f"global_step{newest}"
     log = (Path(detail["run_dir"]) / "logs" / "rank-0.log").read_text()
-    assert re.search(rf"^resumed rank=0 from={ckpt}/global_step{newest}\S* global_step={newest}$", log, re.MULTILINE), log[:2000]
+    resumed = rf"^resumed rank=0 from={ckpt}/global_step{newest}\S* global_step={newest}$"
+    assert re.search(resumed, log, re.MULTILINE), log[:2000]
     assert sorted(int(s) for s in re.findall(r"^step=(\d+) rank=0 ", log, re.MULTILINE)) == list(range(newest + 1, 201))
     assert _all_tags(ckpt) == _complete_tags(ckpt) == {50, 100, 150, 190, 200}
     assert (ckpt / "latest").read_text().strip() == "global_step200"
     recorded = orch.json("status", job)["checkpoints"]["checkpoints"]
     assert {c["tag"]: c["recorded_files"] for c in recorded} == {f"global_step{s}": 3 for s in (200, 190, 150, 100, 50)}
-    assert not (Path(detail["run_dir"]) / "scratch").exists()
+    assert detail["checkpoints"]["pruned"] == {"tags": len(gone) + len(later), "keep_last": 2, "keep_every": 50,
+                                               "bytes": sum(e.data["bytes"] for e in orch.events(job, "checkpoints_pruned"))}
+    assert "older checkpoint(s) deleted by the spec's checkpoints policy (keep_last 2, keep_every 50)" in \
+        orch("status", job).stdout
     assert_no_leftovers(job, timeout=5)
+    # nothing of the finished job is left outside its records (the state dir) and its checkpoints
+    for attempt in (1, 2):
+        assert not (orch.state_dir / "jobs" / job / f"attempt-{attempt}" / "scratch").exists()
+        assert not glob.glob(f"/tmp/orch-metrics/{job}.{attempt}*")
+        assert not [p for n in (0, 1) for p in (attach_path(f"{job}.{attempt}", n), record_path(f"{job}.{attempt}", n))
+                    if os.path.exists(p)]
+    assert not list(ckpt.glob(".orch-preflight-*")) and not list((orch.state_dir / "prometheus").rglob(f"{job}.*"))
+    assert _ours(orch.json("gc"), job) == []
 
 
 # --------------------------------------------------------------------------- orch gc: leftovers of killed attempts
@@ -253,10 +267,11 @@ def test_gc_older_than_removes_finished_jobs_files_but_not_what_a_resume_needs(o
 
     dry = orch.json("gc", "--older-than", "0", "--dry-run")
     listed = {(e["what"], e["path"]) for e in dry["removed"] if e["job"] in jobs.values()}
-    assert listed == {("run_dir", str(failed_dir / "attempt-1")), ("checkpoint", str(failed_dir / "checkpoints" / "step_5")),
-                      ("run_dir", str(done_dir / "attempt-1")), ("checkpoints", str(done_dir / "checkpoints"))}
-    assert {"job": jobs["failing"], "path": str(failed_dir / "checkpoints" / "step_10"),
-            "why": "checkpoint step_10: a resume would start from it (--drop-resume-checkpoints removes it)"} in dry["kept"]
+    assert listed == {("run_dir", str(failed_dir / "attempt-1")), ("run_dir", str(done_dir / "attempt-1")),
+                      ("checkpoint", str(failed_dir / "checkpoints" / "step_5")),
+                      ("checkpoints", str(done_dir / "checkpoints"))}
+    why = "checkpoint step_10: a resume would start from it (--drop-resume-checkpoints removes it)"
+    assert {"job": jobs["failing"], "path": str(failed_dir / "checkpoints" / "step_10"), "why": why} in dry["kept"]
     assert (failed_dir / "attempt-1").is_dir() and (done_dir / "checkpoints" / "step_10").is_dir()  # dry: nothing gone
 
     result = orch.json("gc", "--older-than", "0")

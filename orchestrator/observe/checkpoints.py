@@ -40,9 +40,21 @@ def job_choice(store: Store, job_id: str, root: str, fmt: str, contents: bool) -
                   bad=store.bad_checkpoints(job_id, root), contents=contents)
 
 
+def _pruned(store: Store, job_id: str) -> dict[str, Any] | None:
+    """The sum of the job's ``checkpoints_pruned`` events (``supervision/pruning.py``), or None."""
+    events = [e.data for e in store.events(job_id) if e.kind == "checkpoints_pruned"]
+    if not events:
+        return None
+    return {"tags": sum(len(d.get("tags") or ()) for d in events),
+            "bytes": sum(int(d.get("bytes") or 0) for d in events),
+            "keep_last": events[-1].get("keep_last"), "keep_every": events[-1].get("keep_every")}
+
+
 def checkpoints_view(store: Store, job: JobRecord, attempt: AttemptRecord | None) -> dict[str, Any] | None:
     """``{"format", "format_reason", "dir", "next_resume", "checkpoints": [{tag, step, complete, problems,
-    notes, checked, recorded_files}], ...}`` for the job, or None before its first attempt.
+    notes, checked, recorded_files}], "pruned", ...}`` for the job, or None before its first attempt; ``pruned``:
+    what the spec's checkpoint retention deleted in all (``{"tags", "bytes", "keep_last", "keep_every"}``, from
+    the ``checkpoints_pruned`` events), or None.
 
     ``next_resume`` is the tag the next resume would start from (None: none is complete and
     undamaged by size); its files' contents are checked by the resume itself."""
@@ -64,6 +76,7 @@ def checkpoints_view(store: Store, job: JobRecord, attempt: AttemptRecord | None
     view["next_resume"] = choice.chosen.tag if choice.chosen else None
     for c in view["checkpoints"]:
         c["recorded_files"] = recorded.get(c["tag"], 0)
+    view["pruned"] = _pruned(store, job.id)
     with _cache_lock:
         _cache[key] = (now, view)
     return view

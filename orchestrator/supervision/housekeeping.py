@@ -157,7 +157,8 @@ def _attempt_leftovers(job: JobRecord, a: AttemptRecord, marked: dict[str, list[
     why = "the attempt is over"
     found: list[tuple[str, str]] = []
     run_dir = a.plan.get("run_dir")
-    scratch = (nodes[0].get("metrics_dir") if nodes else None) or (os.path.join(run_dir, "scratch") if run_dir else None)
+    scratch = nodes[0].get("metrics_dir") if nodes else None
+    scratch = scratch or (os.path.join(run_dir, "scratch") if run_dir else None)
     found += [(p, "scratch") for p in (scratch, os.path.join(LEGACY_SCRATCH, attempt_id)) if p and os.path.lexists(p)]
     for n in range(len(nodes)):
         found += [(attach_path(attempt_id, n), "socket")] if os.path.lexists(attach_path(attempt_id, n)) else []

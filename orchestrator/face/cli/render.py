@@ -264,6 +264,12 @@ def checkpoint_lines(view: dict | None) -> list[str]:
     left = len(view["checkpoints"]) - len(shown)
     if left:
         lines.append(f"  ... and {left} older (--output json lists them all)")
+    pruned = view.get("pruned")
+    if pruned:
+        every = f", keep_every {pruned['keep_every']}" if pruned["keep_every"] else ""
+        policy = f"keep_last {pruned['keep_last']}{every}"
+        lines.append(f"  {pruned['tags']} older checkpoint(s) deleted by the spec's checkpoints policy ({policy}), "
+                     f"{pruned['bytes'] / (1 << 20):.1f} MiB freed")
     return lines
 
 
