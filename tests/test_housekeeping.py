@@ -97,6 +97,35 @@ def test_the_specs_checkpoints_section() -> None:
         assert words in str(err.value) and "Traceback" not in str(err.value)
 
 
+def test_gc_leaves_an_ended_job_whose_controller_still_owns_it(tmp_path) -> None:
+    """A job reaches SUCCEEDED/CANCELLED/FAILED before its ranks are all gone (the grace period); its controller
+    lets go of it (owner None) only then, or keeps it for a pending restart: until then nothing of it goes."""
+    import socket
+
+    import psutil
+    from orchestrator.store import JobState, Store
+    from orchestrator.supervision.housekeeping import collect
+    run_dir = tmp_path / "jobs" / "j-abc123" / "attempt-1"
+    (run_dir / "scratch" / "node-0").mkdir(parents=True)
+    me = {"pid": os.getpid(), "host": socket.gethostname(), "create_time": psutil.Process().create_time()}
+    store = Store(tmp_path / "orch.db")
+    store.create_job("j-abc123", "j", {})
+    for number, end in enumerate((JobState.CANCELLED, JobState.FAILED), 1):
+        store.set_owner("j-abc123", me)
+        store.add_attempt("j-abc123", number, {"run_dir": str(run_dir), "nodes": []}, None)
+        for state in (JobState.PROVISIONING, JobState.RUNNING, end):
+            store.set_state("j-abc123", state)
+        entries, kept = collect(store, tmp_path, older_than_s=0, dry_run=False)
+        assert not [e for e in entries if e.job] and kept[0].job == "j-abc123", entries
+        assert f"{end.value}, and its controller is still at it" in kept[0].why
+        store.set_owner("j-abc123", None)
+        entries, _ = collect(store, tmp_path, older_than_s=0, dry_run=False)
+        assert [(e.what, e.path) for e in entries if e.job] == [("run_dir", str(run_dir))]
+        if end == JobState.CANCELLED:
+            store.set_state("j-abc123", JobState.PENDING)  # a resume: its next attempt
+    store.close()
+
+
 # --------------------------------------------------------------------------- retention in a real DeepSpeed job
 
 def _complete_tags(ckpt: Path) -> set[int]:
@@ -146,8 +175,9 @@ def test_keep_last_and_keep_every_prune_a_deepspeed_job_which_still_resumes(orch
     assert (ckpt / "latest").read_text().strip() == "global_step200"
     recorded = orch.json("status", job)["checkpoints"]["checkpoints"]
     assert {c["tag"]: c["recorded_files"] for c in recorded} == {f"global_step{s}": 3 for s in (200, 190, 150, 100, 50)}
+    freed = sum(e.data["bytes"] for e in orch.events(job, "checkpoints_pruned"))
     assert detail["checkpoints"]["pruned"] == {"tags": len(gone) + len(later), "keep_last": 2, "keep_every": 50,
-                                               "bytes": sum(e.data["bytes"] for e in orch.events(job, "checkpoints_pruned"))}
+                                               "bytes": freed}
     assert "older checkpoint(s) deleted by the spec's checkpoints policy (keep_last 2, keep_every 50)" in \
         orch("status", job).stdout
     assert_no_leftovers(job, timeout=5)

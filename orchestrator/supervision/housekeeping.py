@@ -9,7 +9,8 @@ are gone, and sockets and cgroup records no agent owns any more. With ``older_th
 FAILED or CANCELLED job keeps the one a resume would start from, unless ``drop_resume_checkpoints``).
 
 A job that is not over is never touched: PENDING, PROVISIONING or RUNNING (its ranks may await a new server:
-``supervision/reattach.py``), or FAILED with its server alive (a restart may be pending). Checkpoints in a
+``supervision/reattach.py``), or ended while its controller still owns it (its ranks are still stopping, in their
+grace period; or, FAILED, a restart is pending). Checkpoints in a
 directory the spec names outside the state directory are the user's: listed as kept, never removed here (the
 spec's ``checkpoints.keep_last`` prunes them while the job runs).
 """
@@ -139,9 +140,10 @@ def _marked() -> dict[str, list[int]]:
 def _live(job: JobRecord, dry_run: bool) -> str | None:
     """Why the job is not over (its files are left alone), or None. In a dry run a job whose controller died
     counts as over, as the real run first records it so (:func:`~.orphans.recover_orphans`)."""
-    if job.state.is_terminal():
-        if job.state == JobState.FAILED and owner_alive(job.owner):
-            return "FAILED, and its server may restart it"
+    if job.state.is_terminal():  # its controller lets go of it (owner None) once its processes are gone
+        if owner_alive(job.owner):
+            return (f"{job.state.value}, and its controller is still at it (stopping its processes"
+                    + (", or a restart pending)" if job.state == JobState.FAILED else ")"))
         return None
     if owner_alive(job.owner):
         return job.state.value
