@@ -180,7 +180,11 @@ def _stale_points(known: set[str], now: float) -> list[Entry]:
     out = []
     for path in sorted(glob.glob(os.path.join(attach_dir(), "*.sock"))):
         key = os.path.basename(path)[:-5]
-        if key in known or now - os.lstat(path).st_mtime < STALE_AFTER_S:
+        try:
+            young = now - os.lstat(path).st_mtime < STALE_AFTER_S
+        except OSError:
+            continue  # gone meanwhile
+        if key in known or young:
             continue
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
             s.settimeout(1.0)
