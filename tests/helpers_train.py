@@ -167,18 +167,37 @@ def training_past(orch, step: int, ranks: int = 3, timeout: float = 180) -> str:
     return job_id
 
 
+#: the ops prebuild_ops builds, as the directories (and libraries) they land in under TORCH_EXTENSIONS_DIR
+_OPS = ("deepspeed_shm_comm", "cpu_adam")
+#: TORCH_EXTENSIONS_DIRs this process has built (or loaded) the ops in
+_PREBUILT: set[str] = set()
+
+
+def _ops_in_place(ext_dir: str) -> bool:
+    """Both ops' libraries are in ``ext_dir`` and no build of either holds its lock."""
+    return all((Path(ext_dir) / op / f"{op}.so").is_file() and not (Path(ext_dir) / op / "lock").exists()
+               for op in _OPS)
+
+
 def prebuild_ops(timeout: float = 900) -> None:
     """JIT-build (or load from ~/.cache/torch_extensions) the C++ ops the ranks need, once, here.
 
     ``deepspeed_shm_comm`` is loaded by every rank when DeepSpeed's torch backend starts on the
     CPU accelerator; ``cpu_adam`` by optimizer offload. Building takes ~1 min each on 2 cores;
-    loading a cached build takes seconds.
+    loading a cached build takes seconds (a Python with torch and DeepSpeed imported: 3-5 s), so once
+    this process has built or loaded them in a TORCH_EXTENSIONS_DIR whose libraries are still there
+    and unlocked, later calls (every integration module makes one) return at once.
     """
+    ext_dir = os.environ.get("TORCH_EXTENSIONS_DIR", "")
+    if ext_dir and ext_dir in _PREBUILT and _ops_in_place(ext_dir):
+        return
     code = ("from deepspeed.accelerator import get_accelerator\n"
             "for n in ('ShareMemCommBuilder', 'CPUAdamBuilder'):\n"
             "    get_accelerator().create_op_builder(n).load()\n")
     subprocess.run([sys.executable, "-c", code], env=base_env(), check=True, timeout=timeout,
                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    if ext_dir:
+        _PREBUILT.add(ext_dir)
 
 
 def _main() -> int:
