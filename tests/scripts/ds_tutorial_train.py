@@ -118,4 +118,10 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # gloo's worker threads can abort the interpreter's teardown ("terminate called without an active
+    # exception", SIGABRT; pytorch/pytorch#190489), as examples/ds_plain_train.py says: everything is
+    # written and the group destroyed, so leave without that teardown
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
