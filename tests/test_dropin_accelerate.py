@@ -126,6 +126,15 @@ def test_other_launches_are_refused_by_name(tmp_path: Path) -> None:
         _job(["--cpu", "--use_fsdp", "t.py"], tmp_path)
     assert "--cpu is not supported: --cpu runs Accelerate without DeepSpeed" in str(err.value)
     assert "--use_fsdp is not supported" in str(err.value)
+    # --gpu_ids other than 0..n-1: Accelerate would run on those devices alone; orch refuses, saying how
+    (tmp_path / "one.yaml").write_text(yaml.safe_dump({**ACCEL, "num_machines": 1, "num_processes": 2}))
+    (tmp_path / "t.py").write_text("print('hi')\n")
+    from orchestrator.spec import spec_from_dict
+    job = _job(["--config_file", "one.yaml", "--gpu_ids", "2,3", "t.py"], tmp_path)
+    with pytest.raises(Exception) as err:
+        spec_from_dict(job.fields, tmp_path)
+    assert "gpu_ids" in str(err.value) and "CUDA_VISIBLE_DEVICES=2,3" in str(err.value)
+    spec_from_dict(_job(["--config_file", "one.yaml", "--gpu_ids", "0,1", "t.py"], tmp_path).fields, tmp_path)
     with pytest.raises(SpecError) as err:
         _job(["t.py"], tmp_path)  # no file anywhere, no --use_deepspeed
     assert "would not use DeepSpeed" in str(err.value)

@@ -31,7 +31,7 @@ from test_launchers_real import BASH_ONLY, ORCH_ADDED, ORCH_CONFIG, free_port, p
 
 from orchestrator.errors import SpecError
 from orchestrator.face.cli.dropin import deepspeed_parser
-from orchestrator.spec.deepspeed_cmd import RUNNER_OPTIONS, runner_job
+from orchestrator.spec.deepspeed_cmd import RUNNER_LAUNCHERS, RUNNER_OPTIONS, runner_job
 
 PYTHON = sys.executable
 VENV_BIN = Path(sys.executable).parent
@@ -68,6 +68,8 @@ def test_parsers_agree_argument_by_argument() -> None:
     for dest, action in theirs.items():
         assert dest in ours, f"orch deepspeed lacks the runner's {action.option_strings or dest}"
         assert _shape(ours[dest]) == _shape(action), dest
+    from deepspeed.launcher.runner import LAUNCHER_CLASSES
+    assert set(RUNNER_LAUNCHERS) == set(LAUNCHER_CLASSES)
     # orch's own options do not take any of the runner's option strings
     runner_strings = {s for a in theirs.values() for s in a.option_strings}
     own = {s for d, a in ours.items() if d not in theirs for s in a.option_strings}
@@ -137,7 +139,10 @@ def test_refused_and_missing_hostfile_are_named() -> None:
     assert "--autotuning 'run' is not supported" not in text  # the value is not what is refused
     assert "--autotuning is not supported: orch does not run DeepSpeed's autotuner" in text
     assert "--bind_cores_to_rank is not supported" in text and "numactl" in text
-    assert "--hostfile 'nope': no such file (/w/nope)" in text
+    assert "--hostfile 'nope': not a file (/w/nope)" in text
+    with pytest.raises(SpecError) as err:  # a name the runner does not know (orch's own standard launcher)
+        _job(["--launcher", "standard", "t.py"])
+    assert "--launcher 'standard' is not one of the runner's launchers" in str(err.value)
     # the runner's default hostfile missing: this machine only, as the runner does
     assert "hostfile" not in _job(["t.py"], found=False).fields
 
@@ -303,3 +308,21 @@ def test_a_failed_orch_deepspeed_job_resumes_from_what_the_script_saved(tmp_path
     assert "resumed rank=1 from=ck/global_step20/mp_rank_00_model_states.pt global_step=20" in log
     steps = [int(line.split()[0][5:]) for line in log.splitlines() if line.startswith("step=")]
     assert steps == list(range(21, 31))  # attempt 2 alone (the latest), from the step after the checkpoint
+
+
+@pytest.mark.integration
+def test_orch_deepspeed_exits_as_deepspeed_does(tmp_path: Path, state_dir: Path) -> None:
+    """The failed rank's exit status (deepspeed's runner exits with it); a state dir that cannot be made is a
+    one-line error; an output that cannot be written stops orch, saying so, without a traceback."""
+    (tmp_path / "fail.py").write_text("import sys\nprint('failing', flush=True)\nsys.exit(3)\n")
+    env = {**os.environ, "ORCH_STATE_DIR": str(state_dir)}
+    r = subprocess.run([PYTHON, "-m", "orchestrator", "deepspeed", "fail.py"], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=TIMEOUT, stdin=subprocess.DEVNULL)
+    assert r.returncode == 3, r.stderr[-2000:]
+    r = subprocess.run([PYTHON, "-m", "orchestrator", "--state-dir", str(tmp_path / "fail.py" / "state"), "deepspeed",
+                        "fail.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=TIMEOUT)
+    assert r.returncode == 2 and "Cannot use state dir" in r.stderr and "Traceback" not in r.stderr
+    with open("/dev/full", "w") as full:
+        r = subprocess.run([PYTHON, "-m", "orchestrator", "-o", "json", "list"], env=env, stdout=full,
+                           stderr=subprocess.PIPE, text=True, timeout=TIMEOUT)
+    assert r.returncode == 1 and "cannot write the output" in r.stderr and "Traceback" not in r.stderr

@@ -245,6 +245,12 @@ class AccelerateConfig:
         if p.compute_environment != "LOCAL_MACHINE":
             out.append(("compute_environment", f"is {p.compute_environment!r}; orch starts processes on your own "
                                                "machines: set compute_environment: LOCAL_MACHINE"))
+        ids = [d.strip() for d in str(p.gpu_ids).split(",") if d.strip()] if p.gpu_ids not in (None, "all") else []
+        if ids and ids != [str(i) for i in range(len(ids))]:
+            out.append(("gpu_ids", f"{p.gpu_ids!r}: Accelerate would run on these devices alone, but orch gives each "
+                                   "machine's ranks its slots 0..n-1, so it would use others. Remove gpu_ids and set "
+                                   f"CUDA_VISIBLE_DEVICES={','.join(ids)} where the agents start (orch maps slot k to "
+                                   "the k-th device it lists)"))
         n, procs = p.num_machines, p.num_processes
         if procs not in (None, -1) and (procs < n or procs % n):
             out.append(("num_processes", f"{procs} is not a multiple of num_machines {n}: Accelerate starts "

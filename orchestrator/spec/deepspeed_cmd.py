@@ -31,11 +31,13 @@ from typing import Any, Sequence
 
 from ..errors import SpecError
 
-__all__ = ["script_flag", "checkpoint_dir_from_script_args", "RunnerOption", "GivenAction", "add_options", "RUNNER_OPTIONS", "RUNNER_HOSTFILE", "RUNNER_MASTER_PORT", "add_runner_arguments",
+__all__ = ["RUNNER_LAUNCHERS", "script_flag", "checkpoint_dir_from_script_args", "RunnerOption", "GivenAction", "add_options", "RUNNER_OPTIONS", "RUNNER_HOSTFILE", "RUNNER_MASTER_PORT", "add_runner_arguments",
            "RunnerJob", "runner_job", "script_job_name", "config_from_script_args"]
 
 #: runner.py ``DLTS_HOSTFILE``: the hostfile read when ``--hostfile`` is not given.
 RUNNER_HOSTFILE = "/job/hostfile"
+#: runner.py ``LAUNCHER_CLASSES``: the launchers the runner knows by name (lower case).
+RUNNER_LAUNCHERS = ("pdsh", "openmpi", "mpich", "impi", "mvapich", "slurm")
 #: ``TORCH_DISTRIBUTED_DEFAULT_PORT``: the runner's ``--master_port`` default.
 RUNNER_MASTER_PORT = 29500
 
@@ -238,7 +240,7 @@ def runner_job(ns: argparse.Namespace, cwd: str, *, hostfile_found: bool) -> Run
     if hostfile_found:
         fields["hostfile"] = hostfile
     elif "hostfile" in given:
-        problems.append(f"--hostfile {ns.hostfile!r}: no such file ({hostfile}); DeepSpeed's runner would warn and "
+        problems.append(f"--hostfile {ns.hostfile!r}: not a file ({hostfile}); DeepSpeed's runner would warn and "
                         "run on this machine only, orch refuses so that a mistyped path does not start another job")
     for key in ("include", "exclude"):
         if getattr(ns, key):
@@ -253,7 +255,13 @@ def runner_job(ns: argparse.Namespace, cwd: str, *, hostfile_found: bool) -> Run
                      f"not it is free; --master_port {RUNNER_MASTER_PORT} for that)")
     if ns.master_addr:
         fields["master_addr"] = ns.master_addr
-    fields["launcher"] = "nossh" if ns.no_ssh else str(ns.launcher).lower()
+    launcher = str(ns.launcher).lower()
+    if not ns.no_ssh and launcher not in RUNNER_LAUNCHERS:
+        problems.append(f"--launcher {ns.launcher!r} is not one of the runner's launchers ({', '.join(RUNNER_LAUNCHERS)}; "
+                        "--no_ssh for nossh). With one node the runner ignores the name and runs launch.py here, "
+                        "as --launcher pdsh does; orch's own standard launcher (torchrun on every node) is "
+                        "launcher: standard in a job spec (--print-spec FILE writes one)")
+    fields["launcher"] = "nossh" if ns.no_ssh else launcher
     if ns.launcher_args:
         fields["launcher_args"] = ns.launcher_args
     for key in ("module", "no_python", "no_local_rank", "force_multi"):

@@ -12,7 +12,9 @@ import os
 import stat
 from pathlib import Path
 
-__all__ = ["make_private"]
+from ..errors import OrchError
+
+__all__ = ["make_private", "open_state_dir"]
 
 _STORE_FILES = ("orch.db", "orch.db-wal", "orch.db-shm", "orch.db-journal", "server.json", "server.token",
                 "audit.log")
@@ -27,6 +29,21 @@ def _fix(path: str, mode: int) -> bool:
         return True
     except OSError:  # gone meanwhile, or not ours: left as it is
         return False
+
+
+def open_state_dir(state_dir: Path) -> None:
+    """Create the state directory if it is missing, then make it and its store files private (also those
+    from before: :func:`make_private`).
+
+    Raises:
+        OrchError: it cannot be created (a path under a file, a read-only or missing mount), naming it.
+    """
+    try:
+        Path(state_dir).mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise OrchError(f"Cannot use state dir {state_dir}: {err.strerror or err} (give --state-dir, or "
+                        "$ORCH_STATE_DIR, a directory you can write).") from err
+    make_private(Path(state_dir))
 
 
 def make_private(state_dir: Path, walk: bool = False, keep: tuple[Path, ...] = ()) -> int:

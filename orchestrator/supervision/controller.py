@@ -32,7 +32,7 @@ from ..planning import JobPlan
 from ..provisioners import Provisioner, get_provisioner
 from ..spec import JobSpec, spec_from_dict
 from ..spec.secrets import redact
-from ..store import JobRecord, JobState, Store, make_private
+from ..store import JobRecord, JobState, Store, open_state_dir
 from .attempt import AttemptRun, AttemptServices
 from .orphans import owner_alive, recover_orphans, sweep_attempt, waits_for_nodes
 from .ports import PortLease
@@ -93,8 +93,7 @@ class Controller:
                  recover_every_s: float = 0.0, prometheus_targets: str | Path | None = None) -> None:
         private_files()  # orch's own files 0600, directories 0700; ranks keep the user's umask
         self.state_dir = Path(state_dir or default_state_dir()).expanduser().resolve()
-        self.state_dir.mkdir(parents=True, exist_ok=True)
-        make_private(self.state_dir)  # the directory and store files from before, too
+        open_state_dir(self.state_dir)
         self.store = Store(self.state_dir / "orch.db", clock)
         self.provisioner_factory = provisioner_factory
         self.timings = Timings.from_env(heartbeat_s, node_timeout_s, agent_lease_s)

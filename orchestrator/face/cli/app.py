@@ -15,6 +15,8 @@ interrupted.
 from __future__ import annotations
 
 import argparse
+import errno
+import os
 import sys
 from typing import Callable, Iterable
 
@@ -192,6 +194,28 @@ def main(argv: Iterable[str] | None = None) -> int:
     except KeyboardInterrupt:
         err_console.print("interrupted")
         return 130
+    except OSError as err:  # the output cannot be written (a pipe closed by `| head`, a full disk): say so, once
+        if err.errno not in (errno.EPIPE, errno.ENOSPC, errno.EBADF, errno.EIO) or not _drop_stdout():
+            raise
+        err_console.print(f"error: cannot write the output ({err.strerror}); orch stopped, and a job it ran in "
+                          "the foreground was cancelled (orch status shows it)", markup=False, highlight=False)
+        return 1
+
+
+def _drop_stdout() -> bool:
+    """Point standard output at /dev/null (so the interpreter's last flush does not fail again); False when
+    it is not standard output that failed (it still takes a write)."""
+    try:
+        sys.stdout.write("")
+        sys.stdout.flush()
+        return False
+    except (OSError, ValueError, AttributeError):
+        pass
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+    except OSError:
+        pass
+    return True
 
 
 if __name__ == "__main__":

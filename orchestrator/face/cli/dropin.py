@@ -25,7 +25,7 @@ __all__ = ["DROPINS", "run_dropin", "dropin_help"]
 
 def _orch_options(parser: argparse.ArgumentParser, tool: str) -> None:
     """orch's own options of a drop-in command (none of them is a ``tool`` argument)."""
-    from .options import common_options
+    from .options import common_options, env_patterns
     common_options(parser, top=True)
     g = parser.add_argument_group("orch's options", f"what {tool} does not have; give them before the script")
     g.add_argument("--name", default=None, help="the job's name (default: the script's name)")
@@ -35,6 +35,9 @@ def _orch_options(parser: argparse.ArgumentParser, tool: str) -> None:
     g.add_argument("--checkpoint-dir", metavar="DIR", default=None,
                    help="where the script writes its checkpoints, which orch watches and resumes from (default: "
                         "the script's own --save_dir, --output_dir, --checkpoint_dir or --ckpt_dir, if it has one)")
+    g.add_argument("--env-passthrough", type=env_patterns, action="extend", metavar="NAME[,PATTERN...]", default=None,
+                   help="with --submit, copy these variables (names or shell patterns) from this shell to every rank "
+                        "(run here, the ranks of local nodes inherit this shell's environment as under the real tool)")
     g.add_argument("--print-spec", metavar="FILE", default=None,
                    help="write the equivalent job spec (YAML) to FILE ('-': standard output, and start nothing)")
     mode = g.add_mutually_exclusive_group()
@@ -183,7 +186,10 @@ def _run_job(ns: argparse.Namespace, fields: dict[str, Any], notes: list[str], t
                           soft_wrap=True)
     ns.prepared_spec, ns.spec, ns.script_args = spec, f"(orch {tool})", []
     ns.command = "plan" if ns.plan else "submit" if ns.submit else "run"
-    ns.offline, ns.idempotency_key, ns.env_passthrough = False, None, None
+    ns.offline, ns.idempotency_key, ns.rank_exit_status = False, None, True
+    if ns.submit and not ns.env_passthrough and ns.output != "json":
+        err_console.print("note: the ranks get the orch server's environment, not this shell's; --env-passthrough "
+                          "NAME[,PATTERN...] copies variables from here", markup=False, highlight=False, soft_wrap=True)
     return (cmd_plan if ns.plan else cmd_submit if ns.submit else cmd_run)(ns)
 
 
@@ -213,7 +219,13 @@ DROPINS: dict[str, tuple[Callable[[list[str], argparse.Namespace], int], Callabl
 def run_dropin(name: str, argv: list[str], top: argparse.Namespace) -> int:
     """Run ``orch <name> <argv>`` (a key of :data:`DROPINS`); ``top`` holds the options given before
     ``name`` (``--state-dir``, ``--output``, ...). Returns the exit status; raises OrchError for bad input."""
-    return DROPINS[name][0](argv, top)
+    from ...errors import ConfigError, SpecError
+    try:
+        return DROPINS[name][0](argv, top)
+    except (SpecError, ConfigError) as err:  # fixes it names may be spec fields: say how to get at them
+        err.args = (f"{err}\n(orch {name}: to set what the command line cannot, write the job spec with "
+                    f"--print-spec FILE, edit it, and run it with orch run FILE)",)
+        raise
 
 
 def dropin_help(name: str) -> str:

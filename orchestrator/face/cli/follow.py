@@ -20,6 +20,10 @@ def follow_embedded(controller: Any, job_id: str, args: argparse.Namespace, sinc
 
     Args:
         since_event: only events after this id are reported (a resume shows only its attempt).
+
+    Returns:
+        0 when the job succeeded, 130 when interrupted, else 1, or the failed rank's exit status (1-255)
+        where ``args.rank_exit_status`` is set (the drop-in commands: deepspeed exits with it).
     """
     from ...observe import job_detail
     from ...store import JobState
@@ -36,7 +40,7 @@ def follow_embedded(controller: Any, job_id: str, args: argparse.Namespace, sinc
 
     old = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     run = controller.active_run(job_id)
-    live = args.output != "json" and sys.stdout.isatty()
+    live = args.output != "json" and sys.stdout is not None and sys.stdout.isatty()
     try:
         if live:
             with Live(render_detail(job_detail(controller.store, job_id)), console=console,
@@ -57,7 +61,13 @@ def follow_embedded(controller: Any, job_id: str, args: argparse.Namespace, sinc
         final_words(detail, header=not live)
     if interrupted["n"]:
         return 130
-    return 0 if detail["state"] == JobState.SUCCEEDED.value else 1
+    if detail["state"] == JobState.SUCCEEDED.value:
+        return 0
+    cause = detail.get("cause") or {}
+    code = cause.get("returncode") if cause.get("kind") == "rank_exit" else None
+    if getattr(args, "rank_exit_status", False) and isinstance(code, int) and 0 < code < 256:
+        return code  # a drop-in command exits as the real tool does: with the failed rank's status
+    return 1
 
 
 def follow_plain(controller: Any, job_id: str, run: Any, args: argparse.Namespace, since_event: int = 0) -> None:

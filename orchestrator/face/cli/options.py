@@ -126,7 +126,7 @@ def load_job(args: argparse.Namespace) -> Any:
     """
     from ...spec import load_spec, spec_from_dict
     if getattr(args, "prepared_spec", None) is not None:  # a drop-in command made it (orch deepspeed ...)
-        return _with_shell_env(args, args.prepared_spec, [])
+        return _with_shell_env(args, args.prepared_spec, getattr(args, "env_passthrough", None) or [])
     if not args.spec:
         raise UsageError(f"Name the job: orch {args.command} job.yaml, or orch {args.command} --accelerate-config "
                          "accel.yaml train.py [script arguments].")

@@ -26,10 +26,15 @@ class _TextConsole(Console):
 
 
 # markup off: host names, job names and paths are the user's text, and "node[/x]" is not a style tag
-console = _TextConsole(width=None if sys.stdout.isatty() else 200, markup=False)
+def _tty(stream: Any) -> bool:
+    """Whether ``stream`` is a terminal (False for a closed one: Python sets it to None)."""
+    return stream is not None and stream.isatty()
 
 
-err_console = _TextConsole(stderr=True, width=None if sys.stderr.isatty() else 200, markup=False)
+console = _TextConsole(width=None if _tty(sys.stdout) else 200, markup=False)
+
+
+err_console = _TextConsole(stderr=True, width=None if _tty(sys.stderr) else 200, markup=False)
 
 
 STATE_STYLE = {"PENDING": "yellow", "PROVISIONING": "yellow", "RUNNING": "cyan", "SUCCEEDED": "green",
