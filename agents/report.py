@@ -9,7 +9,7 @@ Usage in a training script::
 What it does with a step (see docs/metrics.md for every name):
 
 * updates the rank's Prometheus series (``orch_rank_step``, ``orch_rank_loss``, ...) in
-  prometheus_client's multiprocess mode, in the node-local directory the agent gave the
+  prometheus_client's multiprocess mode, in the scratch directory the agent gave the
   rank (``PROMETHEUS_MULTIPROC_DIR``); the agent serves them on its ``/metrics``;
 * appends one JSON line to ``$ORCH_REPORT_FILE``, which the agent reads and forwards to
   the controller (``orch status``, the dashboard's charts).
