@@ -7,6 +7,7 @@ prints the table; tests/test_fault_matrix.py asserts on it).
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import signal
@@ -30,8 +31,11 @@ from orchestrator.store import Store  # noqa: E402
 EXAMPLES = ROOT / "examples"
 FAULTS = ["rank_crash", "node_killed", "network_cut", "hang", "rank_stopped", "controller_killed",
           "controller_stopped", "agents_killed", "save_crash"]
-#: seconds the controller_stopped fault keeps the server SIGSTOPped (past the agents' 15 s lease)
-STALL_S = 20
+#: the agents' lease (ORCH_AGENT_LEASE_S) the server is started with: orch's default, as bench/fault_matrix.py
+#: measures it; tests/test_fault_matrix.py passes a shorter one (what it asserts is the same: the stall is seen)
+LEASE_S = 15.0
+#: seconds the controller_stopped fault keeps the server SIGSTOPped past the agents' lease (20 s for 15 s)
+STALL_PAST_LEASE_S = 5
 TINY = ["--n-layer", "1", "--d-model", "32", "--n-head", "2", "--seq-len", "32", "--corpus-bytes", "200000",
         "--log-interval", "0"]
 STEPS, INTERVAL, FAULT_STEP, SAVE_CRASH_STEP = 60, 10, 25, 30
@@ -45,15 +49,16 @@ def _free_port() -> int:
 
 
 class Server:
-    """``orch server`` for one state dir on a fixed port (so a restarted one is found at once)."""
+    """``orch server`` for one state dir on a fixed port (so a restarted one is found at once), whose agents
+    stop their ranks after ``lease_s`` seconds without a word from it."""
 
-    def __init__(self, state_dir: Path) -> None:
-        self.state_dir, self.port = state_dir, _free_port()
+    def __init__(self, state_dir: Path, lease_s: float = LEASE_S) -> None:
+        self.state_dir, self.port, self.lease_s = state_dir, _free_port(), lease_s
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> None:
-        env = {**os.environ, "ORCH_STATE_DIR": str(self.state_dir)}
+        env = {**os.environ, "ORCH_STATE_DIR": str(self.state_dir), "ORCH_AGENT_LEASE_S": str(self.lease_s)}
         env.pop("ORCH_SERVER", None)
         with open(self.state_dir.parent / "server.log", "ab") as log:
             self.proc = subprocess.Popen([sys.executable, "-m", "orchestrator", "server", "--port",
@@ -84,10 +89,17 @@ class Server:
             self.proc.wait(60)
 
 
-def _spec(net, work: Path, fault: str) -> dict:
+def stall_steps(lease_s: float) -> int:
+    """The controller_stopped job's steps: training must still run when the agents' lease runs out. 3,000 for
+    the default 15 s lease (2 idle cores train ~155 steps/s: the lease ran out at step ~2,380), else 300 per
+    second of lease, rounded up to a checkpoint (1,500 for 5 s: twice what the lease lets 2 idle cores train)."""
+    return min(3000, 50 * math.ceil(300 * lease_s / 50))
+
+
+def _spec(net, work: Path, fault: str, lease_s: float) -> dict:
     p = net.client_params()
     # the stall must outlast the agents' lease while training still runs: a longer job for it
-    steps, interval = (3000, 50) if fault == "controller_stopped" else (STEPS, INTERVAL)
+    steps, interval = (stall_steps(lease_s), 50) if fault == "controller_stopped" else (STEPS, INTERVAL)
     args = ["--steps", str(steps), "--checkpoint-interval", str(interval), *TINY]
     if fault == "hang":
         args += ["--hang-at-step", str(FAULT_STEP), "--hang-rank", str(VICTIM)]
@@ -143,13 +155,14 @@ def _log_has(path: Path, needle: str) -> bool:
         return False
 
 
-def run_fault(fault: str, net, work: Path) -> dict:
+def run_fault(fault: str, net, work: Path, lease_s: float = LEASE_S) -> dict:
+    """Inject ``fault`` into a job under a server whose agents' lease is ``lease_s``; the measures."""
     state_dir = work / "state"
-    server = Server(state_dir)
+    server = Server(state_dir, lease_s)
     server.start()
     store: Store | None = None
     try:
-        spec = _spec(net, work, fault)
+        spec = _spec(net, work, fault, lease_s)
         r = httpx.post(f"{server.url}/api/jobs", json={"spec": spec, "source": "fault_matrix"}, timeout=60,
                        headers=server.headers())
         r.raise_for_status()
@@ -186,7 +199,7 @@ def run_fault(fault: str, net, work: Path) -> dict:
             elif fault == "controller_stopped":
                 t_fault = time.time()
                 server.proc.send_signal(signal.SIGSTOP)
-                time.sleep(STALL_S)
+                time.sleep(lease_s + STALL_PAST_LEASE_S)
                 server.proc.send_signal(signal.SIGCONT)
             elif fault == "rank_stopped":
                 victim = _rank_process(job_id, VICTIM)
@@ -233,7 +246,7 @@ def run_fault(fault: str, net, work: Path) -> dict:
         job = wait_for(lambda: (j := store.get_job(job_id)).state.is_terminal() and not (
             j.state.value == "FAILED" and j.attempt < 2) and j, 600, "the job to end")
         # every process of attempt 1 (a cut host's agent stops its rank only once the controller's
-        # lease, ORCH_AGENT_LEASE_S = 15 s, ran out), then attempt 2's (stopped_at), then count
+        # lease, lease_s, ran out), then attempt 2's (stopped_at), then count
         gone.wait(60)
         attempt1_gone_s = (gone_at[0] if gone_at else time.time()) - t_fault
         wait_for(lambda: store.get_attempt(job_id, store.get_job(job_id).attempt).stopped_at, 60,
