@@ -9,16 +9,8 @@ import time
 from rich.console import Console
 
 from .backends import pick_backend
-from .output import UsageError, console, print_json
+from .output import UsageError, console, human_bytes, print_json
 
-
-def _size(n: int) -> str:
-    """Bytes for people: ``123.4 KiB``."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n} B" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -46,7 +38,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     c.print(f"Exported checkpoint {result.tag} of job {detail['id']} (step {result.step}, ZeRO stage "
             f"{result.zero_stage}, {result.world_size} ranks) to {result.output}", markup=False, highlight=False)
     c.print(f"  {result.tensors} tensors, {result.params:,} parameters, {'/'.join(result.dtypes)}, "
-            f"{_size(result.bytes)}, {result.seconds:.1f} s ({result.method})", markup=False, highlight=False)
+            f"{human_bytes(result.bytes)}, {result.seconds:.1f} s ({result.method})", markup=False, highlight=False)
     c.print(f"  load it with: model.load_state_dict(torch.load({result.output!r}, weights_only=True))",
             markup=False, highlight=False, soft_wrap=True)
     return 0

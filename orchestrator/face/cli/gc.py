@@ -9,7 +9,7 @@ import re
 from typing import Any
 
 from .backends import state_dir_of
-from .output import UsageError, console, print_json
+from .output import UsageError, console, human_bytes, print_json
 
 __all__ = ["cmd_gc", "gc_options", "age_arg"]
 
@@ -43,15 +43,6 @@ def gc_options(sp: argparse.ArgumentParser) -> None:
                          "from (it can then only start over: orch resume --fresh)")
     sp.add_argument("--dry-run", action="store_true", help="remove nothing: list what would be removed and its size")
 
-
-def _size(n: int) -> str:
-    """Bytes for people: ``123.4 KiB``."""
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if value < 1024 or unit == "GiB":
-            return f"{n} B" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{value:.1f} TiB"
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
@@ -88,7 +79,7 @@ def _print(result: Any, state_dir: str) -> None:
             _line(f"{'would kill' if result.dry_run else 'killed'} process {e.path}", f"({whose}: {e.why})")
             continue
         failed = result.failed.get(e.path)
-        _line(f"{verb if not failed else 'could not remove'} {e.what:<11} {_size(e.bytes):>10}  {e.path}",
+        _line(f"{verb if not failed else 'could not remove'} {e.what:<11} {human_bytes(e.bytes):>10}  {e.path}",
               f"({whose}: {failed or e.why})")
     for k in result.kept:
         whose = f"job {k.job}" if k.job else "no job's"
@@ -97,7 +88,7 @@ def _print(result: Any, state_dir: str) -> None:
     if not result.entries:
         _line(f"nothing to remove in {state_dir} or left by its jobs' attempts")
     elif result.dry_run:
-        _line(f"{verb} {paths} path(s), {_size(result.bytes)}; nothing was removed (--dry-run)")
+        _line(f"{verb} {paths} path(s), {human_bytes(result.bytes)}; nothing was removed (--dry-run)")
     else:
-        _line(f"{verb} {paths} path(s), {_size(result.bytes)}"
+        _line(f"{verb} {paths} path(s), {human_bytes(result.bytes)}"
               + (f"; {len(result.failed)} could not be removed" if result.failed else ""))

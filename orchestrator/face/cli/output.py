@@ -87,6 +87,16 @@ def ago(t: float | None) -> str:
     return f"{s}s ago" if s < 120 else f"{s // 60}m ago" if s < 7200 else f"{s // 3600}h ago"
 
 
+def human_bytes(n: int) -> str:
+    """Bytes for people: ``123 B``, ``123.4 KiB`` ... up to TiB."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{n} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} TiB"
+
+
 def fmt_loss(v: Any) -> str:
     return "-" if v is None else v if isinstance(v, str) else f"{v:.4f}"
 
