@@ -51,8 +51,8 @@ def recover_orphans(store: Store, patient: bool = True) -> list[str]:
         server = (job.owner or {}).get("url")
         cause = {"kind": "controller_lost", "server": server,
                  "message": f"the controller running this job ({'orch server at ' + server if server else 'orch run'}) "
-                 "went away; its agents stopped the ranks. Continue from the last checkpoint with: "
-                 f"orch resume {job.id}" + (" (an orch server started on this state dir restarts it from there: the controller's "
+                 "went away; its agents stopped the ranks. Continue with: "
+                 f"orch resume {job.id} (orch resume {job.id} --dry-run says which checkpoint it would start from)" + (" (an orch server started on this state dir restarts it from there: the controller's "
                                             "death is orch's own trouble, restarted whatever the restart policy says)"
                                             if server else "")}
         queued = waits_for_nodes(store, job)
