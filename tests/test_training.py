@@ -3,6 +3,10 @@
 The job is examples/train_gpt.py (a byte-level GPT on the CPython standard library's
 source) on 2 local "nodes", DS_ACCELERATOR=cpu with gloo. The model is shrunk by flags so
 each launch is dominated by start-up (Python, torch and DeepSpeed imports), not training.
+
+Each stage's uninterrupted run (``trained``, once per module) is both what
+test_zero_stage_trains_across_two_nodes checks and what the kill-and-resume test's resumed
+losses must equal: one launch, not two.
 """
 
 from __future__ import annotations
@@ -15,8 +19,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
-from conftest import ROOT, assert_no_leftovers, wait_for
+from conftest import ROOT, Orch, assert_no_leftovers, wait_for
 from orchestrator.checkpoints import inspect_tag
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -36,6 +41,15 @@ def ds_ops() -> None:
     helpers_train.prebuild_ops()
 
 
+#: the job of every test: STEPS steps, a checkpoint every INTERVAL
+STEPS, INTERVAL = 60, 10
+ARGS = ["--steps", str(STEPS), "--checkpoint-interval", str(INTERVAL)]
+
+
+def _slots(stage) -> int:
+    return 2 if stage == 2 else 1
+
+
 def _spec(write_spec, hostfile, stage, *, slots: int, args: list[str], name: str = "zero") -> Path:
     config = json.loads((EXAMPLES / f"ds_zero{stage}.json").read_text())
     config["train_micro_batch_size_per_gpu"] = 4
@@ -51,21 +65,56 @@ def _losses(run_dir: Path) -> dict[tuple[int, int], float]:
     return helpers_train.attempt_losses(run_dir)
 
 
+def _left(job_id: str, timeout: float) -> list[str]:
+    """What ``assert_no_leftovers(job_id, timeout)`` fails with now, if it does."""
+    try:
+        assert_no_leftovers(job_id, timeout=timeout)
+    except AssertionError as err:
+        return [str(err)]
+    return []
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """``trained(stage)``: ``(orch, orch run's CompletedProcess, job id, leftovers 1 s after it returned)`` of one
+    uninterrupted ``orch run`` of the stage's job (ARGS) in a state dir of its own, run once per module."""
+    runs: dict = {}
+
+    def get(stage):
+        if stage not in runs:
+            tmp = tmp_path_factory.mktemp(f"zero{stage}")
+            (tmp / "state").mkdir()
+            orch = Orch(tmp / "state")
+
+            def write_spec(**fields) -> Path:
+                path = tmp / "job.yaml"
+                path.write_text(yaml.safe_dump(fields, sort_keys=False))
+                return path
+
+            def hostfile(text: str) -> Path:
+                (tmp / "hostfile").write_text(text)
+                return tmp / "hostfile"
+            r = orch("run", str(_spec(write_spec, hostfile, stage, slots=_slots(stage), args=ARGS)))
+            jobs = orch.json("list")
+            runs[stage] = (orch, r, jobs[0]["id"] if jobs else None, _left(jobs[0]["id"], 1) if jobs else [])
+        return runs[stage]
+    return get
+
+
 @pytest.mark.parametrize("stage", [0, 1, 2, 3, "2_offload"])
-def test_zero_stage_trains_across_two_nodes(orch, write_spec, hostfile, stage) -> None:
-    slots = 2 if stage == 2 else 1
-    spec = _spec(write_spec, hostfile, stage, slots=slots, args=["--steps", "6", "--checkpoint-interval", "3"])
-    r = orch("run", str(spec))
+def test_zero_stage_trains_across_two_nodes(trained, stage) -> None:
+    slots = _slots(stage)
+    orch, r, _, leftovers = trained(stage)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     (job,) = orch.json("list")
     detail = orch.json("status", job["id"])
     world = 2 * slots
-    assert [x["step"] for x in detail["ranks"]] == [6] * world
+    assert [x["step"] for x in detail["ranks"]] == [STEPS] * world
     losses = _losses(Path(detail["run_dir"]))
-    assert sorted(losses) == [(rank, step) for rank in range(world) for step in range(1, 7)]
+    assert sorted(losses) == [(rank, step) for rank in range(world) for step in range(1, STEPS + 1)]
     assert all(math.isfinite(v) and 0 < v < 10 for v in losses.values())
     want_stage = 2 if stage == "2_offload" else stage
-    for tag in ("step_3", "step_6"):
+    for tag in (f"step_{s}" for s in range(INTERVAL, STEPS + 1, INTERVAL)):
         info = inspect_tag(Path(detail["checkpoint_dir"]) / tag)
         assert info.complete, info.problems
         assert (info.zero_stage, info.world_size, info.step) == (want_stage, world, int(tag[5:]))
@@ -75,19 +124,19 @@ def test_zero_stage_trains_across_two_nodes(orch, write_spec, hostfile, stage) -
         assert f" zero_stage={want_stage} " in setup and f" world_size={world} " in setup
         assert f" node_rank={rank // slots} " in setup
         assert ("/DeepSpeedCPUAdam " in setup) == (stage == "2_offload"), setup
-    assert_no_leftovers(job["id"], timeout=1)
+    assert leftovers == [], leftovers  # within 1 s of orch run's return
 
 
 @pytest.mark.parametrize("stage,slots", [(1, 1), (2, 2), (3, 1)])
-def test_kill_a_rank_then_resume_matches_an_uninterrupted_run(orch, write_spec, hostfile, stage, slots) -> None:
-    steps, interval = 60, 10
-    args = ["--steps", str(steps), "--checkpoint-interval", str(interval)]
+def test_kill_a_rank_then_resume_matches_an_uninterrupted_run(orch, write_spec, hostfile, trained, stage,
+                                                              slots) -> None:
+    steps, interval, args = STEPS, INTERVAL, ARGS
     world = 2 * slots
+    assert slots == _slots(stage)
 
-    ref = _spec(write_spec, hostfile, stage, slots=slots, args=args, name="reference")
-    assert orch("run", str(ref)).returncode == 0
-    (ref_job,) = orch.json("list")
-    expected = _losses(Path(orch.json("status", ref_job["id"])["run_dir"]))
+    ref_orch, ref_run, ref_id, _ = trained(stage)  # the stage's uninterrupted run of the same job
+    assert ref_run.returncode == 0
+    expected = _losses(Path(ref_orch.json("status", ref_id)["run_dir"]))
     assert len(expected) == world * steps
 
     spec = _spec(write_spec, hostfile, stage, slots=slots, args=args, name="victim")
