@@ -296,6 +296,17 @@ def _rank_pids(orch, job_id: str, world: int) -> dict[int, int]:
     return wait_for(pids, 60, "every rank's pid", interval=0.2)
 
 
+# --------------------------------------------------------------------------- 0. the cluster itself
+
+def test_four_hosts(ray4) -> None:
+    """The 4-host test cluster (tests/raycluster.py; its 3-host one is checked in tests/test_raycluster.py): every
+    worker node at its host's address, a task pinned to a node runs in that host. First here, on a fresh cluster."""
+    from test_raycluster import check_tasks_on_own_hosts
+    print(f"\n4-host Ray cluster: start-up {ray4.setup_seconds:.1f} s {ray4.last_start_seconds}")
+    assert [n["ip"] for n in ray4.nodes() if n["alive"] and not n["is_head"]] == ray4.net.addresses
+    check_tasks_on_own_hosts(ray4)
+
+
 # --------------------------------------------------------------------------- 1. hosts to Ray nodes
 
 def test_hostfile_hosts_by_name_run_one_agent_actor_on_each_node(orch, write_spec, hostfile, ray4,

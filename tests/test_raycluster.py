@@ -196,10 +196,5 @@ def test_cluster_of_a_killed_test_process_is_cleaned_up() -> None:
         nethosts.cleanup_stale()                    # the crashed process's namespaces, sshd
 
 
-# --------------------------------------------------------------------------- 4 hosts
-
-
-def test_four_hosts(ray4: RayTestCluster) -> None:
-    print(f"\n4-host Ray cluster: start-up {ray4.setup_seconds:.1f} s {ray4.last_start_seconds}")
-    assert [n["ip"] for n in ray4.nodes() if n["alive"] and not n["is_head"]] == ray4.net.addresses
-    check_tasks_on_own_hosts(ray4)
+# A 4-host cluster (``ray4``) is checked the same way (every worker node at its host's address, tasks pinned
+# to a node run in its host) by tests/test_ray.py's first test, on the 4-host cluster that module starts anyway.
