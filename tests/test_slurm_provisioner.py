@@ -3,10 +3,11 @@
 ``salloc -N 4 --ntasks-per-node=1 --no-kill orch run job.yaml`` on the test cluster (four namespace
 hosts, each with a slurmd): the pool is the allocation (no hostfile), ``num_nodes: 3`` leaves the
 fourth as a spare, and every node's agent is an ``srun`` step of the allocation. Shown: ZeRO-2
-training to completion (ranks under the pdsh and the slurm launcher, and native srun); a node set
-DOWN by ``scontrol`` mid-training is a node loss, nothing is left behind, and ``orch resume
---exclude`` inside a new allocation finishes on the spare; outside an allocation ``orch plan`` says
-how to see the plan (submitting from there: tests/test_slurm_login.py).
+training to completion (ranks under the slurm launcher, emulated and native srun; under the pdsh
+launcher: the preemption test's resumed attempt); a node set DOWN by ``scontrol`` mid-training, and a
+preemption's SIGTERM, is a node loss, nothing is left behind, and ``orch resume`` inside a new
+allocation finishes (``--exclude``: on the spare); outside an allocation ``orch plan`` says how to see
+the plan (submitting from there: tests/test_slurm_login.py).
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ def _salloc(cluster, orch, *args: str, nodes: int = 4) -> list[str]:
     return ["salloc", "-N", str(nodes), "--ntasks-per-node=1", "--no-kill", *orch.cmd(*args)]
 
 
-@pytest.mark.parametrize("launcher,mode", [("pdsh", "emulated"), ("slurm", "emulated"), ("slurm", "native")])
+# (the pdsh launcher's run to completion in an allocation: test_preemption_sigterm_is_a_node_loss_and_resumes)
+@pytest.mark.parametrize("launcher,mode", [("slurm", "emulated"), ("slurm", "native")])
 def test_inside_an_allocation_trains(launcher, mode, slurm_cluster, orch, write_spec, tmp_path) -> None:
     spec = _spec(write_spec, tmp_path, launcher=launcher, steps=20, name=f"alloc-{launcher}-{mode}", launch_mode=mode)
     r = slurm_cluster.run(_salloc(slurm_cluster, orch, "run", str(spec), "--output", "json"), timeout=400,
@@ -133,3 +135,11 @@ def test_preemption_sigterm_is_a_node_loss_and_resumes(slurm_cluster, orch, writ
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     done = orch.json("status", job_id)
     assert done["state"] == "SUCCEEDED" and int(done["attempts"][1]["resume_tag"].removeprefix("step_")) >= interval
+    # each attempt ran on its allocation's first 3 nodes, in Slurm's order (the 4th a spare), and the resumed one,
+    # under the pdsh launcher, trained every rank to the last step with no traceback, and left nothing
+    assert [a["nodes"] for a in done["attempts"]] == [slurm_cluster.names[:3]] * 2
+    run_dir = Path(done["run_dir"])
+    losses = helpers_train.attempt_losses(run_dir)
+    assert [max(s for (r_, s) in losses if r_ == rank) for rank in range(3)] == [steps] * 3
+    assert "Traceback" not in (run_dir / "logs" / "rank-1.log").read_text()
+    assert_no_leftovers(job_id, timeout=15)
