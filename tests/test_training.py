@@ -146,11 +146,15 @@ def test_kill_a_rank_then_resume_matches_an_uninterrupted_run(orch, write_spec, 
         detail = wait_for(lambda: (lambda d: d if d["state"] == "RUNNING" else None)(orch.json("status", job_id)),
                           120, "RUNNING")
         ckpt, run_dir = Path(detail["checkpoint_dir"]), Path(detail["run_dir"])
+        victim = world - 1
+        # the victim's pid before the checkpoint: asked for after it (an `orch status`, ~0.5 s), the kill came
+        # after step 60 on 2 idle cores (~150 steps/s), and the test failed "the kill came too late"
+        pid = wait_for(lambda: next((x["pid"] for x in orch.json("status", job_id)["ranks"]
+                                     if x["global_rank"] == victim and x["pid"]), None), 60, "the victim's pid")
         # kill once a checkpoint is complete and training has moved past it
         wait_for(lambda: inspect_tag(ckpt / f"step_{interval}").complete and
-                 max((s for (r, s) in _losses(run_dir)), default=0) > interval + 2, 180, "progress past step 10")
-        victim = world - 1
-        pid = next(x["pid"] for x in orch.json("status", job_id)["ranks"] if x["global_rank"] == victim)
+                 max((s for (r, s) in _losses(run_dir)), default=0) > interval + 2, 180, "progress past step 10",
+                 interval=0.02)
         os.kill(pid, signal.SIGKILL)
         assert proc.wait(60) == 1
     finally:
