@@ -23,7 +23,7 @@ from typing import Any
 
 import psutil
 
-__all__ = ["IFNAME_VARS", "Choice", "choose", "interfaces"]
+__all__ = ["IFNAME_VARS", "Choice", "choose", "interfaces", "this_machine_names"]
 
 #: The variables that name the interface of the ranks' collectives (gloo's and NCCL's).
 IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
@@ -181,3 +181,12 @@ def choose(env: Mapping[str, str], master: Mapping[str, Any] | None) -> Choice:
     detail = own.detail + (f"; {route.detail}" + (f": {', '.join(sets)} set to {route.ifname}" if sets else "")
                            if missing else "")
     return Choice(sets, user, own.ifname, own.address, detail, own.problem or route.problem)
+
+
+def this_machine_names() -> set[str]:
+    """The names and addresses this machine answers to: loopback's, its host name and FQDN, and every IPv4
+    and IPv6 address of its interfaces (a zone suffix dropped)."""
+    names = {"localhost", "127.0.0.1", "::1", socket.gethostname(), socket.getfqdn()}
+    names |= {a.address.split("%")[0] for addrs in psutil.net_if_addrs().values() for a in addrs
+              if a.family in (socket.AF_INET, socket.AF_INET6)}
+    return names

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import glob
 import os
-import socket
 from typing import Any, Callable
 
 import yaml
@@ -76,14 +75,6 @@ def accelerate_parser() -> Parser:
     return p
 
 
-def _local_names() -> set[str]:
-    """Names and addresses that are this machine: loopback, its host name, its interfaces' addresses."""
-    import psutil
-    names = {"localhost", socket.gethostname(), socket.getfqdn()}
-    names |= {a.address.split("%")[0] for addrs in psutil.net_if_addrs().values() for a in addrs}
-    return names
-
-
 def _is_here(host: str, here: set[str]) -> bool:
     return host in here or host.startswith("127.") or host == "::1"
 
@@ -95,7 +86,8 @@ def _provisioner(choice: str, hostfile: str | None) -> str:
     if not hostfile:
         return "local"
     from ...planning.hostfile import load_hostfile
-    here = _local_names()
+    from agents.network import this_machine_names
+    here = this_machine_names()
     return "local" if all(_is_here(h, here) for h in load_hostfile(hostfile)) else "ssh"
 
 
@@ -207,11 +199,11 @@ def _accelerate(argv: list[str], top: argparse.Namespace) -> int:
     return _run_job(ns, dict(job.fields), list(job.notes), "accelerate launch")
 
 
-#: ``orch <name>``: (what it runs, the parser that documents it, one line for ``orch --help``).
-DROPINS: dict[str, tuple[Callable[[list[str], argparse.Namespace], int], Callable[[], Parser], str]] = {
-    "deepspeed": (_deepspeed, deepspeed_parser, "Run a deepspeed command line (the same arguments) as an orch "
+#: ``orch <name>``: (what it runs, one line for ``orch --help``).
+DROPINS: dict[str, tuple[Callable[[list[str], argparse.Namespace], int], str]] = {
+    "deepspeed": (_deepspeed, "Run a deepspeed command line (the same arguments) as an orch "
                   "job: orch deepspeed --hostfile H --include ... train.py --deepspeed --deepspeed_config ds.json"),
-    "accelerate-launch": (_accelerate, accelerate_parser, "Run an accelerate launch command line (the same config "
+    "accelerate-launch": (_accelerate, "Run an accelerate launch command line (the same config "
                           "file and flags) as an orch job: orch accelerate-launch --config_file accel.yaml train.py"),
 }
 
@@ -230,4 +222,4 @@ def run_dropin(name: str, argv: list[str], top: argparse.Namespace) -> int:
 
 def dropin_help(name: str) -> str:
     """The one-line help of ``orch <name>`` for ``orch --help``."""
-    return DROPINS[name][2]
+    return DROPINS[name][1]

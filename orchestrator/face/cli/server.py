@@ -60,11 +60,10 @@ def allowed_hosts(host: str, extra: list[str]) -> list[str]:
     on (a wildcard: every address of this machine), and ``--allowed-host``."""
     import socket
 
-    import psutil
+    from agents.network import this_machine_names
     names = {"localhost", "127.0.0.1", "::1", socket.gethostname(), socket.getfqdn()}
     if host in ("0.0.0.0", "::", ""):
-        names |= {a.address.split("%")[0] for addrs in psutil.net_if_addrs().values() for a in addrs
-                  if a.family in (socket.AF_INET, socket.AF_INET6)}
+        names = this_machine_names()
     else:
         names.add(host)
     return sorted(names | set(extra))
