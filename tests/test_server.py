@@ -92,12 +92,14 @@ def test_the_job_list_carries_step_loss_rate_and_eta(orch, server, write_spec, h
     running = wait_for(lambda: (r := row())["steps_per_second"] and r["eta_seconds"] and r, 90, "a rate and an ETA")
     assert running["state"] == "RUNNING" and running["total_steps"] == 6000 and 1 <= running["step"] < 6000
     assert running["loss"] == pytest.approx(10.0 / running["loss_step"])  # rank 0's loss of the step it reported
-    assert 2.0 < running["steps_per_second"] <= 21.0, running  # 0.05 s a step, slower on a busy machine
+    # above 0 and no faster than the worker can go (0.05 s a step); how much slower depends on the machine's load
+    # (CI's shared cores measured 1 step/s over the first seconds), so no lower bound but 0
+    assert 0.0 < running["steps_per_second"] <= 21.0, running
     assert running["eta_seconds"] == pytest.approx((6000 - running["step"]) / running["steps_per_second"])
     assert running["progress_at"] == pytest.approx(time.time(), abs=10)
     # the same fields in orch list (through the server) and orch status
     listed = next(j for j in orch.json("list") if j["id"] == job_id)
-    assert listed["total_steps"] == 6000 and listed["step"] >= running["step"] and listed["steps_per_second"] > 2
+    assert listed["total_steps"] == 6000 and listed["step"] >= running["step"] and listed["steps_per_second"] > 0
     assert orch.json("status", job_id)["eta_seconds"] > 0
     table = orch("list").stdout
     line = next(ln for ln in table.splitlines() if ln.startswith(job_id))
