@@ -45,6 +45,7 @@ from .attach import AttachPoint, RelinkWriter, write_outcome
 from .cgroups import AttemptCgroup
 from .adopted import SHIM, AdoptedRank, log_tail, write_plans, wrong_tool
 from .before import BeforeStart
+from .forkserver import ForkedRank, ForkServer, open_server
 from .nodeenv import node_env, rank_env, read_env_files
 from .link import MessageReader, MessageWriter
 from .ranks import RankProcess, become_subreaper, private_files, describe_returncode, kill_descendants, kill_marked, stop_all
@@ -104,6 +105,8 @@ class Agent:
         self._outcome_written = False
         self._cgroup: AttemptCgroup | None = None
         self._no_cgroup = ""  # why the ranks have no cgroup (agents.cgroups)
+        self.fast_start = str(start.get("fast_start") or "off")  # the spec's: ranks forked from a template (agents.forkserver)
+        self._launcher_name = start.get("launcher")
 
     # -- steps ------------------------------------------------------------------------------
 
@@ -234,25 +237,48 @@ class Agent:
         self._cgroup, self._no_cgroup = AttemptCgroup.create(self.attempt_id, self.node["node_rank"])
         choice = self._choose_network()
         if self.native:
-            return self._start_native(choice)
+            return self._fork_server([]) is not False and self._start_native(choice)
         try:
             envs = [self._rank_env(r, choice) for r in self.node["ranks"]]
         except ValueError as err:
             return self._spawn_failed(str(err))
-        for r, env in zip(self.node["ranks"], envs):
-            proc = RankProcess(r["global_rank"], r["argv"], env, self.node["workdir"],
-                               os.path.join(log_dir, f"rank-{r['global_rank']}.log"), cgroup=self._cgroup)
-            try:
-                proc.start()
-            except OSError as err:
-                self._spawn_failed(f"{err.strerror or err}: {r['argv'][0]}", global_rank=r["global_rank"])
-                self._stop("spawn failed")
-                return False
-            self.ranks.append(proc)
+        server = self._fork_server(envs)
+        if server is False:
+            return False
+        try:
+            for i, (r, env) in enumerate(zip(self.node["ranks"], envs)):
+                log = os.path.join(log_dir, f"rank-{r['global_rank']}.log")
+                proc = (ForkedRank(server, server.plan.mains[i], r["global_rank"], r["argv"], env, self.node["workdir"],
+                                   log, cgroup=self._cgroup) if server else
+                        RankProcess(r["global_rank"], r["argv"], env, self.node["workdir"], log, cgroup=self._cgroup))
+                try:
+                    proc.start()
+                except OSError as err:
+                    self._spawn_failed(f"{err.strerror or err}: {r['argv'][0]}", global_rank=r["global_rank"])
+                    self._stop("spawn failed")
+                    return False
+                self.ranks.append(proc)
+        finally:
+            if server:
+                server.close()  # the ranks are the agent's children now
         self.writer.send({"type": "started", "metrics_port": self.metrics_port, "network": choice.to_dict(),
                           "ranks": [{"global_rank": p.global_rank, "pid": p.pid} for p in self.ranks],
                           "cgroup": self._cgroup.path if self._cgroup else None, "no_cgroup": self._no_cgroup})
         return True
+
+    def _fork_server(self, envs: list[dict[str, str]]) -> "ForkServer | None | bool":
+        """The spec's ``fast_start`` on this node (:mod:`agents.forkserver`): a started template to fork the
+        ranks from, None to exec them (``auto`` says why once, as a warning), or False: ``on`` cannot fork
+        them (the start failed, with the reason)."""
+        server, why = open_server(self.fast_start, [r["argv"] for r in self.node["ranks"]], envs, self.node["workdir"],
+                                  os.path.join(self.node["log_dir"], f"forkserver-node{self.node['node_rank']}.log"),
+                                  launcher=self._launcher_name, native=bool(self.native), cgroup=self._cgroup)
+        if why and self.fast_start == "on":
+            return self._spawn_failed(f"fast_start on: the ranks cannot be forked on {self.node['host']}: {why}")
+        if why:
+            self.writer.send({"type": "warning", "message": f"fast_start: the ranks on {self.node['host']} are "
+                              f"started as new processes, not forked: {why}"})
+        return server
 
     def _start_native(self, choice: network.Choice) -> bool:
         """launch_mode native: write the ranks' plans, start the real launcher (node 0), adopt the ranks."""

@@ -9,7 +9,8 @@ py-spy prints, per thread, ``Thread <tid> (<idle|active>): "<name>"`` (no name w
 imported ``threading``: its main thread's id is then the pid) and then the frames, innermost first, as ``    <function> (<file>:<line>)``. A script's main code runs under a ``<module>`` frame
 (``python script.py``) or runpy's ``_run_module_as_main`` (``python -m``): a main thread whose outermost
 frame is neither is past the script's main code, in its ``atexit`` handlers or the interpreter's
-shutdown (``threading._shutdown``).
+shutdown (``threading._shutdown``). A rank forked from a fork-server (``fast_start``) has the template's
+frames (``agents/forktemplate.py``) outside its own: they are left out, so it reads as an exec'd rank.
 """
 
 from __future__ import annotations
@@ -74,6 +75,9 @@ def summarize(text: str) -> dict[str, Any]:
             in_main = t.group(3) == "MainThread" or (t.group(3) is None and t.group(1) == pid)
             continue
         f = _FRAME.match(line) if in_main else None
+        if f and os.path.basename(f.group(2)) == "forktemplate.py":
+            in_main = False  # a forked rank's outer frames are its fork-server's (agents/forktemplate.py)
+            continue
         if f:
             frames.append((f.group(1), f"{f.group(1)} ({os.path.basename(f.group(2))}:{f.group(3)})"))
     if not frames:

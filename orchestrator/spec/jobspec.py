@@ -138,6 +138,8 @@ class JobSpec(BaseModel):
     native_start_timeout: float = Field(120.0, gt=0, le=3600, description="launch_mode native: seconds "
                                         "the real tool has to start every rank before the attempt fails, "
                                         "and to exit once the first node's ranks ended.")
+    fast_start: Literal["auto", "on", "off"] = Field("auto", description="Fork ranks from a template that imported "
+                                                     "torch+DeepSpeed (docs/fast_start.md); auto: else exec, saying why.")
     master_addr: str | None = None
     master_port: int | Literal["auto"] = "auto"
     env: dict[str, str] = Field(default_factory=dict)

@@ -215,7 +215,8 @@ class AttemptRun(AttemptMessages):
         t = self.timings
         reattach_s = t.reattach_s if self.provisioner.reattaches else 0.0
         start_msg = {"type": "start", "attempt_id": self.plan.attempt_id, "grace": self.plan.grace,
-                     "heartbeat_s": t.heartbeat_s, "lease_s": t.agent_lease_s, "reattach_s": reattach_s}
+                     "heartbeat_s": t.heartbeat_s, "lease_s": t.agent_lease_s, "reattach_s": reattach_s,
+                     "fast_start": self.spec.fast_start, "launcher": self.plan.launcher}
         self.heartbeats.expect(n.node_rank for n in self.plan.nodes)
         for node in self.plan.nodes:
             self.agents[node.node_rank].send({**start_msg, "node": node.to_dict()})

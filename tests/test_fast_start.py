@@ -1,0 +1,185 @@
+"""``fast_start``: ranks forked from a node's template (agents/forkserver.py) are what exec'd ranks are to
+their script, draw fresh random numbers, die of their signals as exec'd ranks do, train ZeRO-2 to the end;
+``auto`` falls back to exec saying why, ``on`` refuses where ``auto`` would fall back.
+
+The probe (tests/scripts/forkprobe.py) writes what a script can see of how it was started; the same job
+runs once forked (``on``) and once exec'd (``off``) on the local provisioner, and the reports are compared.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, SCRIPTS, assert_no_leftovers, wait_for
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import helpers_train  # noqa: E402
+
+pytestmark = pytest.mark.integration
+
+PROBE = str(SCRIPTS / "forkprobe.py")
+EXAMPLES = ROOT / "examples"
+TINY = ["--n-layer", "1", "--d-model", "32", "--n-head", "2", "--seq-len", "32", "--corpus-bytes", "200000",
+        "--log-interval", "0"]
+#: what two runs of one job differ in whatever starts the ranks (the job id is replaced by JOB in values)
+PER_RUN = {"MASTER_PORT", "FORKPROBE_OUT"}
+
+
+def _probe_run(orch, write_spec, hostfile, out: Path, mode: str, **env: str) -> tuple[dict[int, dict], str]:
+    """Run the probe on 2 nodes (2 ranks on the first: two forks from one template); its reports by rank."""
+    spec = write_spec(name="probe", hostfile=str(hostfile("node-0 slots=2\nnode-1 slots=1\n")),
+                      workdir=str(ROOT), entrypoint="tests/scripts/forkprobe.py", args=["--flag", "a b"],
+                      fast_start=mode, stop_grace_seconds=2,
+                      env={"FORKPROBE_OUT": str(out), "DS_ACCELERATOR": "cpu", **env})
+    r = orch("run", str(spec), timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    job_id = orch.json("list")[0]["id"]
+    reports = {int(p.stem[4:]): json.loads(p.read_text()) for p in out.glob("rank*.json")}
+    assert sorted(reports) == [0, 1, 2]
+    return reports, job_id
+
+
+def _diff(a: object, b: object) -> object:
+    """The entries of two dicts that differ (``(a's, b's)``), or the two values themselves."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)}
+    return a, b
+
+
+def _fallbacks(orch, job_id: str) -> list[str]:
+    """The job's fast_start warnings (a node's ranks exec'd, and why)."""
+    return [e.data["message"] for e in orch.events(job_id, "warning") if "fast_start" in e.data.get("message", "")]
+
+
+def _seen(report: dict, job_id: str) -> dict:
+    """What must be equal between a forked and an exec'd rank: everything but the draws and whether torch
+    was imported before the script ran (the job id and per-run variables made neutral)."""
+    env = {k: v.replace(job_id, "JOB") for k, v in report["env"].items() if k not in PER_RUN}
+    proc_env = dict(w.split("=", 1) for w in report["proc_environ"])
+    proc_env = {k: v.replace(job_id, "JOB") for k, v in proc_env.items() if k not in PER_RUN}
+    keep = {k: v for k, v in report.items() if k not in ("draws", "preloaded", "env", "proc_environ", "fds")}
+    return {**keep, "env": env, "proc_environ": proc_env}
+
+
+def test_a_forked_rank_sees_what_an_exec_d_rank_sees(orch, write_spec, hostfile, tmp_path) -> None:
+    forked, fork_job = _probe_run(orch, write_spec, hostfile, tmp_path / "on", "on")
+    execd, exec_job = _probe_run(orch, write_spec, hostfile, tmp_path / "off", "off")
+    assert all(r["preloaded"] for r in forked.values()) and not any(r["preloaded"] for r in execd.values())
+    for rank in range(3):
+        f, e = _seen(forked[rank], fork_job), _seen(execd[rank], exec_job)
+        assert set(f) == set(e)
+        for key in sorted(f):
+            assert f[key] == e[key], f"rank {rank}: {key}: forked != exec'd: {_diff(f[key], e[key])}"
+        # spot checks of what the comparison covers, so that an empty report cannot pass
+        assert f["argv"] == [PROBE, f"--local_rank={forked[rank]['env']['LOCAL_RANK']}",
+                             "--flag", "a b"]
+        assert f["main"]["name"] == "__main__" and f["main"]["file"] == PROBE and f["main"]["spec"] == "None"
+        assert f["threads"] == [1, 1] and f["cwd"] == str(ROOT) and f["path"][0] == str(SCRIPTS)
+        assert f["proc_cmdline"] == forked[rank]["orig_argv"] and f["proc_environ"] == f["env"]
+        assert f["signals"][str(int(signal.SIGTERM))] == 0 and f["signals"][str(int(signal.SIGINT))] == \
+            "default_int_handler"
+        assert forked[rank]["fds"] == execd[rank]["fds"]
+    assert _fallbacks(orch, fork_job) == []  # forked: no fallback line
+    logs = Path(orch.json("status", fork_job)["run_dir"]) / "logs"
+    assert sorted(p.name for p in logs.glob("forkserver-*.log")) == ["forkserver-node0.log", "forkserver-node1.log"]
+    assert_no_leftovers(fork_job, timeout=5)
+
+
+def test_forked_ranks_draw_different_numbers_unless_the_script_seeds(orch, write_spec, hostfile, tmp_path) -> None:
+    fresh, _ = _probe_run(orch, write_spec, hostfile, tmp_path / "fresh", "on")
+    for kind in ("python", "numpy", "torch"):
+        draws = [tuple(fresh[r]["draws"][kind]) for r in range(3)]
+        assert len(set(draws)) == 3, (kind, draws)  # two ranks of one template differ too
+    seeded, _ = _probe_run(orch, write_spec, hostfile, tmp_path / "seeded", "on", FORKPROBE_SEED="7")
+    assert all(r["preloaded"] for r in seeded.values())
+    for kind in ("python", "numpy", "torch"):
+        draws = [tuple(seeded[r]["draws"][kind]) for r in range(3)]
+        assert len(set(draws)) == 1, (kind, draws)
+
+
+KILLABLE = '''import os, time
+import torch
+
+print(f"rank {os.environ['RANK']} up torch={torch.__version__}", flush=True)
+time.sleep(600)
+'''
+
+
+def test_a_forked_rank_killed_by_sigkill_reads_as_killed_by_signal_9(orch, write_spec, hostfile, tmp_path) -> None:
+    (tmp_path / "sleeper.py").write_text(KILLABLE)
+    spec = write_spec(name="kill", hostfile=str(hostfile("node-0 slots=1\nnode-1 slots=1\n")), workdir=str(tmp_path),
+                      entrypoint="sleeper.py", fast_start="on", stop_grace_seconds=2)
+    proc = orch.popen("run", str(spec))
+    try:
+        job_id = wait_for(lambda: (orch.json("list") or [{}])[0].get("id"), 60, "the job")
+        up = wait_for(lambda: (lambda d: d if d["state"] == "RUNNING" and all(
+            "up" in (r.get("last_line") or "") for r in d["ranks"]) else None)(orch.json("status", job_id)),
+            180, "both ranks up")
+        victim = next(r for r in up["ranks"] if r["global_rank"] == 1)
+        with open(f"/proc/{victim['pid']}/cmdline", "rb") as f:
+            assert b"sleeper.py" in f.read()  # the rank's own process, as ps shows it
+        os.kill(victim["pid"], signal.SIGKILL)
+        proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    detail = orch.json("status", job_id)
+    rank1 = next(r for r in detail["ranks"] if r["global_rank"] == 1)
+    assert (rank1["returncode"], rank1["how"]) == (-9, "signal SIGKILL"), rank1
+    assert detail["state"] == "FAILED" and detail["cause"]["kind"] == "rank_exit", detail["cause"]
+    assert detail["cause"]["returncode"] == -9
+    assert _fallbacks(orch, job_id) == []
+    assert_no_leftovers(job_id, timeout=10)
+
+
+def test_zero2_trains_to_the_end_with_fast_start_on(orch, write_spec, hostfile) -> None:
+    helpers_train.prebuild_ops()
+    steps = 20
+    spec = write_spec(name="zero2", hostfile=str(hostfile("node-0 slots=1\nnode-1 slots=1\n")), launcher="pdsh",
+                      workdir=str(EXAMPLES), entrypoint="train_gpt.py", args=[*TINY, "--steps", str(steps)],
+                      deepspeed_config=str(EXAMPLES / "ds_zero2.json"), fast_start="on", stop_grace_seconds=5,
+                      env={"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"})
+    r = orch("run", str(spec), timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    (job,) = orch.json("list")
+    detail = orch.json("status", job["id"])
+    assert [x["step"] for x in detail["ranks"]] == [steps, steps]
+    losses = helpers_train.attempt_losses(detail["run_dir"])
+    assert sorted(losses) == [(rank, s) for rank in range(2) for s in range(1, steps + 1)]
+    logs = Path(detail["run_dir"]) / "logs"
+    assert (logs / "forkserver-node0.log").is_file() and _fallbacks(orch, job["id"]) == []
+    assert_no_leftovers(job["id"], timeout=10)
+
+
+def test_auto_falls_back_to_exec_for_a_non_python_entrypoint_and_says_why(orch, write_spec, hostfile,
+                                                                          tmp_path) -> None:
+    script = tmp_path / "run.sh"
+    script.write_text("#!/bin/sh\necho \"rank $RANK step=1 loss=1.0\"\n")
+    script.chmod(0o755)
+    spec = write_spec(name="sh", hostfile=str(hostfile("node-0 slots=1\nnode-1 slots=1\n")), workdir=str(tmp_path),
+                      entrypoint=str(script), no_python=True, no_local_rank=True, stop_grace_seconds=2)
+    r = orch("run", str(spec), timeout=120)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    (job,) = orch.json("list")
+    lines = _fallbacks(orch, job["id"])
+    assert len(lines) == 2, lines  # one line per node
+    assert all("fast_start: the ranks on node-" in m and "are started as new processes, not forked" in m
+               and "is not Python (no_python)" in m for m in lines), lines
+
+
+def test_on_refuses_where_auto_would_fall_back(orch, write_spec, hostfile, tmp_path) -> None:
+    spec = write_spec(name="refuse", hostfile=str(hostfile("node-0 slots=1\n")), workdir=str(ROOT),
+                      entrypoint=str(SCRIPTS / "worker.py"), fast_start="on", stop_grace_seconds=2)
+    r = orch("run", str(spec), timeout=120)
+    assert r.returncode != 0
+    (job,) = orch.json("list")
+    cause = orch.json("status", job["id"])["cause"]
+    assert cause["kind"] == "spawn_failed", cause
+    assert "fast_start on: the ranks cannot be forked on node-0" in cause["message"], cause
+    assert "imports neither torch nor DeepSpeed" in cause["message"], cause
