@@ -133,6 +133,11 @@ class _SocketStream:
     def readline(self) -> bytes:
         return self._file.readline()
 
+    def hub_source(self) -> tuple[int, Any]:
+        """For :class:`agents.linkhub.LinkHub`: the socket's descriptor, read without blocking (the socket
+        itself stays blocking for the writer's ``sendall``)."""
+        return self.sock.fileno(), lambda n: self.sock.recv(n, socket.MSG_DONTWAIT)
+
     def write(self, data: bytes) -> int:
         self.sock.sendall(data)
         return len(data)

@@ -158,14 +158,20 @@ class MessageReader:
         sink: optional ``queue.Queue`` to put ``(tag, msg)`` pairs into instead of the
             reader's own queue (so one consumer can wait on many agents).
         tag: the first element of those pairs.
+        hub: with a sink, an :class:`agents.linkhub.LinkHub` to read the stream on instead of a thread of
+            its own, where the stream can be multiplexed (:meth:`agents.linkhub.LinkHub.watch`); the controller
+            reads all its agents this way. The messages and their order are the same.
     """
 
     def __init__(self, stream: IO[bytes], name: str = "link-reader",
-                 sink: "queue.Queue[tuple[Any, dict]] | None" = None, tag: Any = None) -> None:
+                 sink: "queue.Queue[tuple[Any, dict]] | None" = None, tag: Any = None, hub: Any = None) -> None:
         self._stream = stream
         self._queue: "queue.Queue[dict]" = queue.Queue()
         self._sink = sink
         self._tag = tag
+        self._thread: threading.Thread | None = None
+        if hub is not None and sink is not None and hub.watch(stream, sink, tag):
+            return
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 

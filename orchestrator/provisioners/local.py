@@ -21,6 +21,7 @@ import psutil
 
 from agents.attach import open_link, socket_streams
 from agents.link import MessageReader, MessageWriter
+from agents.linkhub import shared_hub
 from agents.ranks import user_umask_env
 from agents.sweep import sweep_attempt
 
@@ -43,7 +44,7 @@ class LocalAgent(AgentHandle):
         assert proc.stdin is not None and proc.stdout is not None
         self._writer = MessageWriter(proc.stdin)
         self._reader = MessageReader(proc.stdout, name=f"agent-{node.node_rank}", sink=events,
-                                     tag=node.node_rank)
+                                     tag=node.node_rank, hub=shared_hub())
 
     def send(self, msg: dict[str, Any]) -> bool:
         return self._writer.send(msg)
@@ -90,7 +91,8 @@ class AttachedLocalAgent(AgentHandle):
                                  reason=f"cannot re-attach: {err.strerror or err}") from err
         reader, writer = socket_streams(self._sock)
         self._writer = MessageWriter(writer)
-        self._reader = MessageReader(reader, name=f"agent-{node.node_rank}", sink=events, tag=node.node_rank)
+        self._reader = MessageReader(reader, name=f"agent-{node.node_rank}", sink=events, tag=node.node_rank,
+                                     hub=shared_hub())
         self.pid: int | None = None  # the agent's, once it said ``attached``
 
     def send(self, msg: dict[str, Any]) -> bool:

@@ -42,6 +42,7 @@ import paramiko
 
 from agents.attach import attach_request
 from agents.link import MessageReader, MessageWriter
+from agents.linkhub import shared_hub
 
 from ..errors import ProvisionError
 from ..planning import JobPlan, NodePlan, ResourcePool
@@ -139,6 +140,18 @@ class _ChannelStream:
         except (OSError, EOFError, paramiko.SSHException):
             pass
 
+    def hub_source(self) -> tuple[int, Any]:
+        """For :class:`agents.linkhub.LinkHub`: the descriptor paramiko signals the channel's stdout data (and
+        its end) on, and a read that never blocks (``BlockingIOError`` while no data has arrived yet)."""
+        channel = self.channel
+
+        def read(n: int) -> bytes:
+            if not (channel.recv_ready() or channel.eof_received or channel.closed):
+                raise BlockingIOError
+            return channel.recv(n)
+
+        return channel.fileno(), read
+
     def readline(self) -> bytes:
         while b"\n" not in self._buffer:
             try:
@@ -168,7 +181,7 @@ class SSHAgent(AgentHandle):
         self._stderr_tail: collections.deque[str] = collections.deque(maxlen=40)
         self._writer = MessageWriter(_ChannelStream(channel))
         self._reader = MessageReader(_ChannelStream(channel), name=f"agent-{node.node_rank}", sink=events,
-                                     tag=node.node_rank)
+                                     tag=node.node_rank, hub=shared_hub())
         self._stderr = threading.Thread(target=self._copy_stderr, args=(log_path,), daemon=True,
                                         name=f"agent-{node.node_rank}-stderr")
         self._stderr.start()

@@ -112,6 +112,8 @@ class AttemptRun(AttemptMessages):
         self._preflight: PreflightRound | None = None  # between every hello and the start
         self._rank_node = {r.global_rank: n for n, r in plan.ranks()}
         self._last_ping = 0.0
+        self._last_checks = 0.0
+        self._progress_rows: list[tuple[int, dict]] = []  # reported points not stored yet (_flush_progress)
         self._failed_at: float | None = None
         self._tearing_down = False
         self._targets_written = False
@@ -221,14 +223,34 @@ class AttemptRun(AttemptMessages):
         for node in self.plan.nodes:
             self.agents[node.node_rank].send({**start_msg, "node": node.to_dict()})
 
+    #: The timed checks (heartbeats, progress, deadlines, pings) run at most this often (seconds): each looks at
+    #: every node or rank, and a message per check made them O(nodes) per message (1,000 agents' heartbeats)
+    CHECK_EVERY_S = 0.05
+    #: The most messages one turn handles before the timed checks get their turn.
+    BATCH = 2000
+
     def _turn(self) -> None:
-        """Handle one message (or none within 0.1 s), then look at everything that is timed."""
+        """Handle the messages waiting (or wait up to 0.1 s for one), then look at everything that is timed
+        (at most every :data:`CHECK_EVERY_S`)."""
         try:
             node_rank, msg = self.events.get(timeout=0.1)
         except queue.Empty:
             node_rank, msg = None, None
-        if msg is not None:
+        handled = 0
+        while msg is not None:
             self._dispatch(node_rank, msg)
+            handled += 1
+            if handled >= self.BATCH or self.state.is_terminal():
+                break
+            try:
+                node_rank, msg = self.events.get_nowait()
+            except queue.Empty:
+                break
+        self._flush_progress()
+        now = time.monotonic()
+        if now - self._last_checks < self.CHECK_EVERY_S and not self.cancel_event.is_set():
+            return
+        self._last_checks = now
         if self.cancel_event.is_set() and not self.state.is_terminal():
             self._finish_cancelled()
         self._check_heartbeats()
@@ -242,9 +264,18 @@ class AttemptRun(AttemptMessages):
         that run then)."""
         if msg.get("type") != "eof":  # a closed link is not a word from the agent
             self.heartbeats.heard(node_rank)
+        if msg.get("type") not in ("progress", "heartbeat"):
+            self._flush_progress()  # what came before this message is stored before it is handled
         handler, in_teardown = self.HANDLERS.get(msg.get("type"), (AttemptRun._on_unknown, False))
         if in_teardown or not self._tearing_down:
             handler(self, node_rank, msg)
+
+    def _flush_progress(self) -> None:
+        """Store the points reported since the last flush, in one transaction: a 1,000-node job's progress
+        messages of one turn cost one write of the attempt's progress row, not one each."""
+        if self._progress_rows:
+            rows, self._progress_rows = self._progress_rows, []
+            self.store.add_progress(self.job_id, self.plan.attempt, rows)
 
     def _ping(self) -> None:
         """Renew every agent's lease (agents stop their ranks when the controller falls silent)."""
@@ -449,6 +480,7 @@ class AttemptRun(AttemptMessages):
             try:
                 node_rank, msg = self.events.get_nowait()
             except queue.Empty:
+                self._flush_progress()
                 return
             self._dispatch(node_rank, msg)
 

@@ -98,8 +98,8 @@ class AttemptMessages:
     def _on_progress(self, node_rank: int, msg: dict) -> None:
         rows = [(int(rank), p) for rank, points in (msg.get("points") or {}).items() if isinstance(points, list)
                 for p in points if isinstance(p, dict) and "step" in p]
-        if rows:
-            self.store.add_progress(self.job_id, self.plan.attempt, rows)
+        if rows:  # stored in one transaction per turn (AttemptRun._flush_progress), not one per message
+            self._progress_rows.extend(rows)
             self.progress.record(rows)
 
     def _on_rank_exit(self, node_rank: int, msg: dict) -> None:
