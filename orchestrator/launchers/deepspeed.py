@@ -147,18 +147,18 @@ def encode_world_info(world: Sequence[tuple[str, Sequence[int]]]) -> str:
     return base64.urlsafe_b64encode(json.dumps(info).encode("utf-8")).decode("utf-8")
 
 
-def rank_layout(world: Sequence[tuple[str, Sequence[int]]], node_rank: int) -> list[tuple[int, int, int]]:
+def rank_layout(world: Sequence[tuple[str, Sequence[int]]], node_rank: int,
+                base: int | None = None) -> list[tuple[int, int, int]]:
     """Return ``[(global_rank, local_rank, slot), ...]`` of node ``node_rank``, in spawn order.
 
     Same as launch.py ``main()``: global ranks are numbered across nodes in order, and
     ``local_rank = global_rank % len(slots)`` (a rotation of ``0..n-1`` when an earlier node has
     a different slot count); ``slot`` is ``slots[local_rank]``, the device a script that uses
-    ``cuda:LOCAL_RANK`` under ``CUDA_VISIBLE_DEVICES=<slots>`` ends up on.
+    ``cuda:LOCAL_RANK`` under ``CUDA_VISIBLE_DEVICES=<slots>`` ends up on. ``base``: the node's first rank, if known.
     """
-    base = sum(len(slots) for _, slots in world[:node_rank])
+    base = sum(len(slots) for _, slots in world[:node_rank]) if base is None else base
     slots = tuple(world[node_rank][1])
-    n = len(slots)
-    return [(base + i, (base + i) % n, slots[(base + i) % n]) for i in range(n)]
+    return [(base + i, (base + i) % len(slots), slots[(base + i) % len(slots)]) for i in range(len(slots))]
 
 
 # --------------------------------------------------------------------------- pdsh helpers
@@ -447,12 +447,12 @@ class DeepSpeedLauncher:
             "LOCAL_SIZE": str(len(slots)),
         })
         out = []
-        for global_rank, local_rank, slot in rank_layout(ctx.world, node_rank):
+        for global_rank, local_rank, slot in rank_layout(ctx.world, node_rank, ctx.rank_offsets[node_rank]):
             env = dict(common)
             env["RANK"] = str(global_rank)
             env["LOCAL_RANK"] = str(local_rank)
-            out.append(RankLaunch(global_rank=global_rank, local_rank=local_rank, slot=slot,
-                                  argv=tuple(self._rank_argv(ctx, local_rank)), env=env))
+            argv = ctx.once(("launch.py argv", local_rank), lambda: tuple(self._rank_argv(ctx, local_rank)))
+            out.append(RankLaunch(global_rank=global_rank, local_rank=local_rank, slot=slot, argv=argv, env=env))
         return out
 
     @staticmethod

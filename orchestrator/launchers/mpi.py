@@ -123,15 +123,20 @@ class MPILauncher:
 
     def _check(self, ctx: LaunchContext) -> None:
         check_context(self.name, ctx, "DeepSpeed's runner", self.family if self._multi(ctx) else None)
-        if not self._multi(ctx):
+        if not self._multi(ctx) or self.name == "openmpi":
             return
-        if self.name != "openmpi":
-            counts = {host: len(slots) for host, slots in ctx.world}
-            if len(set(counts.values())) > 1:
-                shown = ", ".join(f"{h}: {n}" for h, n in counts.items())
-                raise LaunchError(f"{self.name}: every node must run the same number of ranks ({_RUNNER[self.name]} "
-                                  f"raises 'requires same number of devices per node'; -ppn is one count); the pool "
-                                  f"has {shown}. Use num_gpus, or a filter that keeps as many slots on every host.")
+        problem = ctx.once(("mpi_counts", self.name), lambda: self._counts_problem(ctx))  # once, not once per node
+        if problem:
+            raise LaunchError(problem)
+
+    def _counts_problem(self, ctx: LaunchContext) -> str | None:
+        counts = {host: len(slots) for host, slots in ctx.world}
+        if len(set(counts.values())) <= 1:
+            return None
+        shown = ", ".join(f"{h}: {n}" for h, n in counts.items())
+        return (f"{self.name}: every node must run the same number of ranks ({_RUNNER[self.name]} "
+                f"raises 'requires same number of devices per node'; -ppn is one count); the pool "
+                f"has {shown}. Use num_gpus, or a filter that keeps as many slots on every host.")
 
     # ---------------------------------------------------------------- exports
 
@@ -162,13 +167,14 @@ class MPILauncher:
         if not 0 <= node_rank < len(ctx.world):
             raise LaunchError(f"{self.name}: node rank {node_rank} is not in 0..{len(ctx.world) - 1}")
         host, slots = ctx.world[node_rank]
-        base = sum(len(s) for _, s in ctx.world[:node_rank])
+        base = ctx.rank_offsets[node_rank]
         size, local_size = ctx.world_size, len(slots)
         common = {**env_from_args(ctx.launcher_args, self.family)[0], **self.exports(ctx)}
         if tuple(slots) != tuple(range(local_size)):
             common["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, slots))
         master = {"MASTER_ADDR": ctx.master_addr, "MASTER_PORT": str(ctx.master_port),
                   "WORLD_SIZE": str(size), "LOCAL_SIZE": str(local_size)}
+        script = ctx.once("script_argv", lambda: tuple(script_argv(ctx)))
         out = []
         for local in range(local_size):
             rank = base + local
@@ -179,15 +185,13 @@ class MPILauncher:
                     env["I_MPI_PIN"] = "0"
             env.update(self._tool_env(host, rank, local, size, local_size))
             if self.name == "openmpi":  # the app context: one, the script's command line
-                script = script_argv(ctx)
                 env.update({"OMPI_COMMAND": posixpath.basename(script[0]), "OMPI_ARGV": " ".join(script[1:]),
                             "OMPI_APP_CTX_NUM_PROCS": str(size), "OMPI_NUM_APP_CTX": "1", "OMPI_FIRST_RANKS": "0"})
             if self.name in ("openmpi", "mvapich"):  # mpi_discovery
                 env.update(discovered_env(ctx, rank, local))
             else:  # launcher_helper.py (mpich) or -env (impi)
                 env.update({"RANK": str(rank), "LOCAL_RANK": str(local)})
-            out.append(RankLaunch(global_rank=rank, local_rank=local, slot=slots[local],
-                                  argv=tuple(script_argv(ctx)), env=env))
+            out.append(RankLaunch(global_rank=rank, local_rank=local, slot=slots[local], argv=script, env=env))
         return out
 
     def _tool_env(self, host: str, rank: int, local: int, size: int, local_size: int) -> dict[str, str]:

@@ -129,6 +129,20 @@ def parse_tasks_per_node(text: str) -> list[int]:
     return out
 
 
+def _slots_problem(ctx: LaunchContext) -> str | None:
+    """What srun cannot place in the pool (SlurmRunner.validate_active_resources, also for one node), or None."""
+    for host, slots in ctx.world:
+        if tuple(slots) != tuple(range(len(slots))):
+            return (f"slurm: the include/exclude filter or num_gpus leaves slots {list(slots)} on {host}, "
+                    "but srun cannot select devices (it places tasks by count; same as DeepSpeed's "
+                    "SlurmRunner); filter whole hosts, or keep the first N slots on every host")
+    counts = {host: len(slots) for host, slots in ctx.world}
+    if len(set(counts.values())) > 1:
+        return (f"slurm: srun needs the same slot count on every host (same as DeepSpeed's "
+                f"SlurmRunner), got {counts}; use num_gpus or a filter that keeps as many on each")
+    return None
+
+
 @dataclass(frozen=True)
 class SlurmLauncher:
     """DeepSpeed's ``slurm`` launcher (module docstring)."""
@@ -144,15 +158,9 @@ class SlurmLauncher:
         if exports and self._multi(ctx):
             raise LaunchError(f"launcher_args {' '.join(exports)}: orch passes the ranks' variables through srun's "
                               "own environment (--export=ALL); put them in the spec's env instead")
-        for host, slots in ctx.world:  # SlurmRunner.validate_active_resources, also for one node
-            if tuple(slots) != tuple(range(len(slots))):
-                raise LaunchError(f"slurm: the include/exclude filter or num_gpus leaves slots {list(slots)} on {host}, "
-                                  "but srun cannot select devices (it places tasks by count; same as DeepSpeed's "
-                                  "SlurmRunner); filter whole hosts, or keep the first N slots on every host")
-        counts = {host: len(slots) for host, slots in ctx.world}
-        if len(set(counts.values())) > 1:
-            raise LaunchError(f"slurm: srun needs the same slot count on every host (same as DeepSpeed's "
-                              f"SlurmRunner), got {counts}; use num_gpus or a filter that keeps as many on each")
+        problem = ctx.once("slurm_slots", lambda: _slots_problem(ctx))  # once per pool, not once per node
+        if problem:
+            raise LaunchError(problem)
 
     def ranks(self, ctx: LaunchContext, node_rank: int) -> list[RankLaunch]:
         """Node ``node_rank``'s tasks with srun's variables and DeepSpeed's derived ones (module
@@ -169,20 +177,21 @@ class SlurmLauncher:
         host, slots = ctx.world[node_rank]
         per_node, nodes, size = len(slots), len(ctx.world), ctx.world_size
         base = node_rank * per_node
-        tpn = tasks_per_node([len(s) for _, s in ctx.world])
+        tpn = ctx.once("slurm_tasks_per_node", lambda: tasks_per_node([len(s) for _, s in ctx.world]))
+        nodelist = ctx.once("slurm_nodelist", lambda: compress_hostlist(ctx.hosts))
         common = {**ctx.exports, "SLURM_NODEID": str(node_rank), "SLURM_NTASKS": str(size), "SLURM_NPROCS": str(size),
                   "SLURM_NNODES": str(nodes), "SLURM_STEP_NUM_TASKS": str(size), "SLURM_STEP_NUM_NODES": str(nodes),
-                  "SLURM_STEP_NODELIST": compress_hostlist(ctx.hosts), "SLURM_STEP_TASKS_PER_NODE": tpn,
+                  "SLURM_STEP_NODELIST": nodelist, "SLURM_STEP_TASKS_PER_NODE": tpn,
                   "SLURM_TASKS_PER_NODE": tpn, "SLURM_GTIDS": ",".join(str(base + i) for i in range(per_node)),
                   "SLURMD_NODENAME": host, "SLURM_TOPOLOGY_ADDR": host, "SLURM_TOPOLOGY_ADDR_PATTERN": "node",
                   "SLURM_NTASKS_PER_NODE": str(per_node)}
+        script = ctx.once("script_argv", lambda: tuple(script_argv(ctx)))
         out = []
         for local in range(per_node):
             rank = base + local
             env = {**common, "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(local),
                    **discovered_env(ctx, rank, local)}
-            out.append(RankLaunch(global_rank=rank, local_rank=local, slot=slots[local],
-                                  argv=tuple(script_argv(ctx)), env=env))
+            out.append(RankLaunch(global_rank=rank, local_rank=local, slot=slots[local], argv=script, env=env))
         return out
 
     def env_defaults(self, ctx: LaunchContext, node_rank: int) -> dict[str, str]:

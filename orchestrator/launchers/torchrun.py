@@ -121,7 +121,7 @@ class TorchrunLauncher:
         """
         self._check(ctx, node_rank)
         slots = ctx.world[node_rank][1]
-        base = sum(len(s) for _, s in ctx.world[:node_rank])
+        base = ctx.rank_offsets[node_rank]
         common = dict(ctx.exports)
         if self.visible_devices_env:
             common[self.visible_devices_env] = ",".join(map(str, slots))

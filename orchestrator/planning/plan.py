@@ -338,19 +338,28 @@ def _launcher_exports(spec: JobSpec, inputs: PlanInputs, nodes: int) -> dict[str
     return {k: v for k, v in exports.items() if k not in spec.env}
 
 
-def _metrics_port(spec: JobSpec, pool: ResourcePool, node_rank: int) -> int | None:
-    """The node's exporter port: ``metrics_port`` plus the number of earlier nodes on the same
-    machine (local agents all share this machine; other provisioners' hosts are their own)."""
-    if spec.metrics_port is None:
-        return None
-    if spec.metrics_port == "auto":
-        return 0
-    if spec.provisioner == "local":
-        port = spec.metrics_port + node_rank
-    else:
-        host = pool.nodes[node_rank][0]
-        port = spec.metrics_port + sum(1 for h, _ in pool.nodes[:node_rank] if h == host)
-    if port > 65535:
+def _metrics_ports(spec: JobSpec, pool: ResourcePool) -> list[int | None]:
+    """Every node's exporter port, in node-rank order (unchecked: :func:`_checked_port`): ``metrics_port``
+    plus the number of earlier nodes on the same machine (local agents all share this machine; other
+    provisioners' hosts are their own); 0 for ``auto``; None for no exporter."""
+    if spec.metrics_port is None or spec.metrics_port == "auto":
+        return [None if spec.metrics_port is None else 0] * len(pool.nodes)
+    seen: dict[str, int] = {}  # host -> nodes on it so far: one pass, not a count over earlier nodes per node
+    ports: list[int | None] = []
+    for node_rank, (host, _) in enumerate(pool.nodes):
+        earlier = node_rank if spec.provisioner == "local" else seen.get(host, 0)
+        seen[host] = seen.get(host, 0) + 1
+        ports.append(spec.metrics_port + earlier)
+    return ports
+
+
+def _checked_port(spec: JobSpec, node_rank: int, port: int | None) -> int | None:
+    """``port`` (:func:`_metrics_ports`) of node ``node_rank``.
+
+    Raises:
+        PlanError: it is above 65535.
+    """
+    if port is not None and port > 65535:
         raise PlanError(f"metrics_port {spec.metrics_port} leaves no port for node {node_rank} (it would need "
                         f"{port}); choose a metrics_port of at most {65535 - node_rank}.")
     return port
@@ -475,6 +484,7 @@ def make_plan(spec: JobSpec, pool: ResourcePool, inputs: PlanInputs) -> JobPlan:
     world = sum(len(slots) for _, slots in pool.nodes)
     watch = {**inputs.checkpoint_watch, "world_size": world} if inputs.checkpoint_watch else None
     shown = replace(ctx, exports={**exports, **spec.env})  # what the real tool would export
+    metrics_ports = _metrics_ports(spec, pool)
     nodes = []
     for node_rank, (host, slots) in enumerate(pool.nodes):
         extra = orch_env(spec, inputs, node_rank, host)
@@ -486,7 +496,7 @@ def make_plan(spec: JobSpec, pool: ResourcePool, inputs: PlanInputs) -> JobPlan:
                     if k not in spec.env}
         nodes.append(NodePlan(node_rank, host, tuple(slots), ranks, spec.workdir, log_dir,
                               {"addr": store[0], "port": store[1]} if store else None, defaults,
-                              _metrics_port(spec, pool, node_rank), metrics_dir,
+                              _checked_port(spec, node_rank, metrics_ports[node_rank]), metrics_dir,
                               monitor_dir if any(r.global_rank == 0 for r in ranks) else None, master,
                               path_prepend, watch, _native(spec, launcher, shown, node_rank, log_dir),
                               spec.metrics_addr if spec.metrics_addr != "auto" else
