@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 from typing import Mapping
 
+from .opbuild import default_extensions_dir, rank_python
+
 __all__ = ["SLURM_STEP_VARS", "node_env", "rank_env", "read_env_files"]
 
 
@@ -56,7 +58,9 @@ def read_env_files(files: dict[str, str], workdir: str, host: str) -> dict[str, 
 
 def rank_env(base_env: dict[str, str], node: dict, rank: dict) -> dict[str, str]:
     """A rank's environment: the node's, the launcher's defaults where unset, then the rank's own; and
-    the node plan's ``path_prepend`` (the ranks' Python's directory) first on ``PATH`` unless already on it."""
+    the node plan's ``path_prepend`` (the ranks' Python's directory) first on ``PATH`` unless already on it.
+    A DeepSpeed job's rank (``ORCH_DEEPSPEED_CONFIG`` set) whose environment sets no ``TORCH_EXTENSIONS_DIR``
+    gets its Python environment's own (:func:`agents.opbuild.default_extensions_dir`)."""
     env = dict(base_env)
     for key, value in (node.get("env_defaults") or {}).items():
         env.setdefault(key, value)  # what the real launcher sets only where unset
@@ -66,4 +70,8 @@ def rank_env(base_env: dict[str, str], node: dict, rank: dict) -> dict[str, str]
         path = env.get("PATH", os.defpath)
         if first not in path.split(os.pathsep):
             env["PATH"] = f"{first}{os.pathsep}{path}" if path else first
+    if "ORCH_DEEPSPEED_CONFIG" in env and not env.get("TORCH_EXTENSIONS_DIR"):
+        python = rank_python(rank.get("argv") or [], env)  # a DeepSpeed job's ops: its environment's own cache
+        if python:
+            env["TORCH_EXTENSIONS_DIR"] = default_extensions_dir(python, env)
     return env

@@ -20,6 +20,9 @@ answered by a ``preflight_result`` (see :mod:`agents.link`):
       :mod:`agents.network` chooses); a loopback master of a job that spans hosts fails;
     * ``build_locks``: (a DeepSpeed job) no stale torch extension build lock where the ranks build
       ops (:mod:`agents.buildlocks`);
+    * ``ops``: (a DeepSpeed job, once the three checks above passed) the DeepSpeed ops its config needs are
+      built, or found built, where the ranks load them (:mod:`agents.opbuild`): once per node, before any
+      rank starts;
     * and, for the shared-storage check, the node writes a token file
       ``<checkpoint dir>/.orch-preflight-<attempt id>/node-<node rank>.json`` holding the
       attempt's nonce.
@@ -48,7 +51,7 @@ import threading
 import time
 from typing import Any, Callable, Mapping
 
-from . import buildlocks, network
+from . import buildlocks, network, opbuild
 from .ranks import _die_with_parent
 
 __all__ = ["NodePreflight", "run_in_thread", "PASSED", "FAILED", "SKIPPED", "TOKEN_PREFIX"]
@@ -135,6 +138,7 @@ class NodePreflight:
         self.current: str | None = None  # the check running now (the agent's heartbeats carry it)
         self._token: str | None = None
         self._probe: subprocess.Popen[bytes] | None = None
+        self._builds: list[subprocess.Popen[bytes]] = []  # the ops check's build (agents.opbuild), while it runs
         self._lock = threading.Lock()
         self._aborted = False
 
@@ -192,8 +196,9 @@ class NodePreflight:
             results.append(self._build_locks())
         results += self._finish_probe(probe, probe_started, msg, skip, mode, workdir_ok,
                                       float(msg.get("timeout_s") or 60.0))
+        results.append(self._ops(msg, skip, results, workdir if workdir_ok else "/"))
         order = ("python", "deepspeed", "workdir", "entrypoint", "checkpoint_dir", "master_port", "network",
-                 "build_locks")
+                 "build_locks", "ops")
         return sorted(results, key=lambda r: order.index(r["name"]) if r["name"] in order else len(order))
 
     # -- file system checks --------------------------------------------------------------------
@@ -296,6 +301,33 @@ class NodePreflight:
         return _result("build_locks", FAILED, f"stale torch extension build lock(s): {named}, with no build running "
                        "there: a killed build left them, and every rank that builds that op would wait on them "
                        "forever; delete them", t)
+
+    def _ops(self, msg: dict[str, Any], skip: Mapping[str, str], results: list[dict[str, Any]],
+             cwd: str) -> dict[str, Any]:
+        """Build (or find built) the DeepSpeed ops the job's config needs, with the first rank's environment
+        (:func:`agents.opbuild.build`), once the checks it depends on passed. The result carries ``ops`` (each
+        op's outcome) and ``dir`` (the ranks' ``TORCH_EXTENSIONS_DIR``)."""
+        t = time.monotonic()
+        ops = [op for op in msg.get("ops") or [] if isinstance(op, dict) and op.get("builder") and op.get("name")]
+        if "ops" in skip or not ops:
+            return _result("ops", SKIPPED, skip.get("ops", "no DeepSpeed op to build"), t)
+        blocked = [r["name"] for r in results if r["name"] in ("python", "deepspeed", "build_locks")
+                   and r["status"] != PASSED]
+        if blocked:
+            return _result("ops", SKIPPED, f"cannot build: the {blocked[0]} check did not pass", t)
+        self.current = "ops"
+        with self._lock:
+            if self._aborted:
+                return _result("ops", SKIPPED, "the preflight was called off", t)
+        outcome = opbuild.build(str(msg.get("python")), self.env, ops, cwd, float(msg.get("ops_timeout_s") or 900.0),
+                                self._builds)
+        where = self.env.get("TORCH_EXTENSIONS_DIR") or buildlocks.extensions_dir(self.env)
+        words = {opbuild.BUILT: "built in {s:.1f} s", opbuild.CACHED: "loaded from cache",
+                 opbuild.NOT_NEEDED: "not needed ({d})", opbuild.FAILED: "failed to build: {d}"}
+        detail = "; ".join(f"{o['name']} " + words.get(o["status"], o["status"]).format(
+            s=float(o.get("seconds") or 0.0), d=o.get("detail", "")) for o in outcome) + f" (in {where})"
+        status = FAILED if any(o["status"] == opbuild.FAILED for o in outcome) else PASSED
+        return {**_result("ops", status, detail, t), "ops": outcome, "dir": where}
 
     # -- the master port -----------------------------------------------------------------------
 
@@ -421,12 +453,13 @@ class NodePreflight:
         """Kill the probe if one runs (the preflight was called off); later phases do nothing."""
         with self._lock:
             self._aborted = True
-            probe = self._probe
-        if probe is not None and probe.poll() is None:
-            try:
-                os.killpg(probe.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+            procs = [self._probe, *self._builds]
+        for proc in procs:
+            if proc is not None and proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
 
     def cleanup(self) -> None:
         """Remove this node's token, and the token directory if no other node's is left."""

@@ -115,7 +115,8 @@ def _spec(net, work: Path, fault: str, lease_s: float) -> dict:
         "checkpoint_dir": str(work / "ckpt"), "hang_timeout": 5, "stop_grace_seconds": 5,
         "ssh": {"user": p["user"], "identity_file": p["key_filename"], "known_hosts": p["known_hosts"]},
         "env": {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "eth0",
-                "PATH": os.environ["PATH"]},
+                "PATH": os.environ["PATH"],  # and the tests' own op cache (else each host's orch default)
+                "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(ROOT / ".torch_extensions"))},
         "restart": {"max_restarts": 1, "backoff_seconds": 0, "exclude_failed_nodes": True},
     }
 

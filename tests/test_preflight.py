@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 
+import helpers_train
 from conftest import SCRIPTS, assert_no_leftovers, job_processes, start_test_network, wait_for
 from orchestrator.supervision import Controller, prepare_plan
 from orchestrator.errors import SpecError
@@ -239,14 +240,15 @@ def test_which_checks_apply(tmp_path) -> None:
     spec, plan = _plan(tmp_path, 2)
     assert skipped_checks(spec, plan) == {
         "deepspeed": "the spec has no deepspeed_config, so the job is not known to use DeepSpeed",
-        "build_locks": "the job is not known to build DeepSpeed's ops"}
+        "build_locks": "the job is not known to build DeepSpeed's ops",
+        "ops": "the job is not known to build DeepSpeed's ops"}
     spec, plan = _plan(tmp_path, 2, deepspeed_config=DS_CONFIG)
     assert skipped_checks(spec, plan) == {}
     spec, plan = _plan(tmp_path, 1, deepspeed_config=DS_CONFIG)
     assert skipped_checks(spec, plan) == {"shared_checkpoint_dir": "one node: nothing to share with"}
     spec, plan = _plan(tmp_path, 2, no_python=True, entrypoint="true", deepspeed_config=DS_CONFIG,
                        preflight={"shared_checkpoint_dir": False})
-    assert set(skipped_checks(spec, plan)) == {"python", "deepspeed", "build_locks", "shared_checkpoint_dir"}
+    assert set(skipped_checks(spec, plan)) == {"python", "deepspeed", "build_locks", "ops", "shared_checkpoint_dir"}
 
 
 def test_preflight_spec_options(tmp_path) -> None:
@@ -265,6 +267,7 @@ def test_preflight_spec_options(tmp_path) -> None:
 
 @pytest.mark.integration
 def test_passing_preflight_records_every_check_and_starts_the_ranks(orch, write_spec, hostfile, tmp_path) -> None:
+    helpers_train.prebuild_ops()  # the tests' extensions dir holds the comm op: the ops check finds it
     spec = write_spec(**_fields(hostfile(TWO_NODES), tmp_path, deepspeed_config=DS_CONFIG))
     r = orch("run", str(spec), timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -276,10 +279,14 @@ def test_passing_preflight_records_every_check_and_starts_the_ranks(orch, write_
     got = {(n["host"], c["name"]): c["status"] for n in event["nodes"] for c in n["checks"]}
     assert got == {(h, c): "passed" for h in ("node-0", "node-1") for c in
                    ("python", "deepspeed", "workdir", "entrypoint", "checkpoint_dir", "network", "build_locks",
-                    "shared_checkpoint_dir")} | {("node-0", "master_port"): "passed", ("node-1", "master_port"): "skipped"}
+                    "ops", "shared_checkpoint_dir")} | {("node-0", "master_port"): "passed", ("node-1", "master_port"): "skipped"}
     details = {(n["host"], c["name"]): c["detail"] for n in event["nodes"] for c in n["checks"]}
     assert f"(Python {sys.version_info.major}.{sys.version_info.minor}." in details[("node-0", "python")]
     assert details[("node-1", "deepspeed")].startswith("deepspeed ")
+    # the op every DeepSpeed rank loads, built once for the tests' extensions dir: found there, nothing started
+    assert details[("node-0", "ops")] == f"deepspeed_shm_comm loaded from cache (in {os.environ['TORCH_EXTENSIONS_DIR']})"
+    assert event["ops"] == [{"name": "deepspeed_shm_comm", "built": 0, "cached": 2, "not_needed": 0, "failed": 0,
+                             "seconds": 0.0}]
     # local agents rendezvous on this machine's loopback: that is the interface, and it is said
     assert details[("node-0", "network")] == ("lo (127.0.0.1) routes to the master 127.0.0.1: GLOO_SOCKET_IFNAME and "
                                               "NCCL_SOCKET_IFNAME set to lo")
@@ -341,6 +348,9 @@ def test_a_stale_build_lock_is_named_and_a_fresh_one_is_not(orch, write_spec, ho
     _run_failing(orch, write_spec(**fields), {h: {"build_locks": why} for h in ("node-0", "node-1")},
                  ["node-0", "node-1"])
     os.utime(lock, None)  # as young as a build that has just begun
+    built = ext / "deepspeed_shm_comm" / "deepspeed_shm_comm.so"  # the ops check finds its op built (worker.py
+    built.parent.mkdir()                                          # ranks load none): no build in this test
+    built.write_bytes(b"")
     r = orch("run", str(write_spec(**fields)), timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
 
@@ -594,6 +604,7 @@ def _ssh_fields(net: Any, hostfile, tmp_path: Path, checkpoint_dir: Path, **over
                      deepspeed_config=DS_CONFIG,
                      ssh={"user": p["user"], "identity_file": p["key_filename"], "known_hosts": p["known_hosts"]})
     fields["env"]["PATH"] = os.environ["PATH"]
+    fields["env"]["TORCH_EXTENSIONS_DIR"] = os.environ["TORCH_EXTENSIONS_DIR"]  # the tests' own op cache
     fields.update(over)
     return fields
 

@@ -24,7 +24,8 @@ from .checkpoints import checkpoints_view
 from .hints import next_steps
 from .progress import progress_fields
 
-__all__ = ["job_summary", "job_list", "job_detail", "rank_rows", "node_rows", "read_log", "progress_of", "log_path"]
+__all__ = ["job_summary", "job_list", "job_detail", "rank_rows", "node_rows", "read_log", "progress_of", "log_path",
+           "ops_view", "ops_words"]
 
 _STEP = re.compile(r"\bstep=(\d+)")
 _LOSS = re.compile(r"\bloss=([-+]?(?:\d+\.?\d*(?:[eE][-+]?\d+)?|nan|inf))")
@@ -223,6 +224,7 @@ def job_detail(store: Store, job_id: str) -> dict[str, Any]:
         d["ranks"] = []
         d["node_states"] = []
     d["allocation"] = allocation_view(store, job.id)
+    d["ops"] = ops_view(store, job.id, job.attempt)
     d["next_steps"] = next_steps(d)
     return redact(d, (job.spec or {}).get("secret_env") or ())  # secret-looking values: **** (docs/security.md)
 
@@ -235,6 +237,31 @@ def allocation_view(store: Store, job_id: str) -> dict[str, Any] | None:
         if ev.kind == "allocation":
             last = {**ev.data, "attempt": ev.attempt}
     return last
+
+
+def ops_view(store: Store, job_id: str, attempt: int) -> list[dict[str, Any]] | None:
+    """The DeepSpeed ops the attempt's preflight built or found built (its ``preflight`` event's ``ops``:
+    ``[{"name", "built", "cached", "not_needed", "failed": node counts, "seconds"}]``), or None (no preflight
+    recorded)."""
+    found = None
+    for ev in store.events(job_id):
+        if ev.kind == "preflight" and ev.attempt == attempt:
+            found = list(ev.data.get("ops") or [])
+    return found
+
+
+def ops_words(ops: list[dict[str, Any]] | None) -> str | None:
+    """One line for people: ``deepspeed_shm_comm built on 2 node(s) (31.2 s), fused_adam loaded from cache on
+    2 node(s)``; None when no op was asked for."""
+    if not ops:
+        return None
+    words = {"built": "built", "cached": "loaded from cache", "not_needed": "not needed", "failed": "failed"}
+    parts = []
+    for op in ops:
+        said = [f"{words[k]} on {op[k]} node(s)" + (f" ({op.get('seconds', 0):.1f} s)" if k == "built" else "")
+                for k in words if op.get(k)]
+        parts.append(f"{op['name']} " + ", ".join(said or ["not reported"]))
+    return "; ".join(parts)
 
 
 #: The most bytes of a log one read returns (a larger ``limit`` is cut to it).

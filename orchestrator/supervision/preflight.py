@@ -3,7 +3,8 @@ the verdict over the nodes' answers. Pure (no I/O); ``AttemptRun`` carries the m
 
 Between every agent's ``hello`` and the first rank's start, each node checks (in
 :mod:`agents.preflight`) the spec's Python, DeepSpeed, the workdir and entrypoint, the
-checkpoint directory and, on node 0, the master port (phase ``check``); then every node
+checkpoint directory and, on node 0, the master port, and builds (or finds built) the DeepSpeed ops
+the job's config needs where its ranks load them, once per node (``ops``; phase ``check``); then every node
 that could write into the checkpoint directory says which nodes' token files it sees there
 (phase ``list``), which shows whether the directory is one shared directory. A failing
 check fails the attempt with cause ``preflight_failed`` before any rank starts; the
@@ -27,12 +28,16 @@ from typing import Any, Callable, Iterable
 
 from ..planning import JobPlan
 from ..spec import JobSpec
+from ..spec.dsops import ops_needed
 
-__all__ = ["PreflightRound", "CHECKS", "TOKEN_PREFIX", "token_dir", "skipped_checks"]
+__all__ = ["PreflightRound", "CHECKS", "TOKEN_PREFIX", "token_dir", "skipped_checks", "ops_summary"]
 
 #: Every check, in the order results are shown.
 CHECKS = ("python", "deepspeed", "workdir", "entrypoint", "checkpoint_dir", "master_port", "network",
-          "build_locks", "shared_checkpoint_dir")
+          "build_locks", "ops", "shared_checkpoint_dir")
+#: Seconds the ``ops`` check may take to build DeepSpeed's ops when the spec has no ``startup_timeout``
+#: (the ranks would have built them within that deadline).
+OPS_TIMEOUT_S = 900.0
 #: Name prefix of the token directory inside the checkpoint directory (as agents.preflight).
 TOKEN_PREFIX = ".orch-preflight-"
 _LISTED = 8  # hosts named per group of a shared-storage failure before "and N more"
@@ -58,7 +63,7 @@ def skipped_checks(spec: JobSpec, plan: JobPlan) -> dict[str, str]:
     elif not plan.deepspeed_config and spec.deepspeed_config is None and not spec.deepspeed_args:
         skip["deepspeed"] = "the spec has no deepspeed_config, so the job is not known to use DeepSpeed"
     if "deepspeed" in skip:
-        skip["build_locks"] = "the job is not known to build DeepSpeed's ops"
+        skip["build_locks"] = skip["ops"] = "the job is not known to build DeepSpeed's ops"
     if not spec.preflight.shared_checkpoint_dir:
         skip["shared_checkpoint_dir"] = "turned off (preflight.shared_checkpoint_dir: false)"
     elif len(plan.nodes) < 2:
@@ -102,7 +107,9 @@ class PreflightRound:
         self.shared_dir = token_dir(plan.checkpoint_dir, plan.attempt_id)
         self.phase = "check"
         self.started = clock()
-        self.deadline = self.started + timeout_s
+        self.ops = [] if "ops" in self.skip else ops_needed(plan.deepspeed_config)
+        self.ops_timeout_s = float(spec.startup_timeout or OPS_TIMEOUT_S) if self.ops else 0.0
+        self.deadline = self.started + timeout_s + self.ops_timeout_s  # building ops may take minutes
         self.phase_seconds: dict[str, float] = {}
         self._phase_started = self.started
         self.checks: dict[int, list[dict[str, Any]]] = {}
@@ -124,7 +131,7 @@ class PreflightRound:
                   "mode": _mode(spec), "checkpoint_dir": plan.checkpoint_dir,
                   "deepspeed": "import" if spec.preflight.import_deepspeed else "find", "shared": shared,
                   "timeout_s": round(self.timeout_s * 0.75, 3), "heartbeat_s": self.heartbeat_s,
-                  "lease_s": self.lease_s}
+                  "lease_s": self.lease_s, "ops": self.ops, "ops_timeout_s": self.ops_timeout_s}
         out = {}
         for node in plan.nodes:
             master = {"addr": plan.master_addr, "port": plan.master_port} if node.node_rank == 0 else None
@@ -213,7 +220,7 @@ class PreflightRound:
         if shared_failure:
             failures.append(shared_failure)
         event = {"passed": not failures, "seconds": round(self.clock() - self.started, 4),
-                 "phases": dict(self.phase_seconds), "nodes": nodes,
+                 "phases": dict(self.phase_seconds), "nodes": nodes, "ops": ops_summary(nodes),
                  "shared": {"checked": bool(self.seen), "dir": self.shared_dir,
                             "groups": [{"nodes": g, "sees": s} for g, s in groups]}}
         return event, (self._cause(failures) if failures else None)
@@ -324,6 +331,21 @@ class PreflightRound:
         return {"kind": "preflight_failed", "node": first["node"], "node_rank": first["node_rank"],
                 "nodes": failing, "failures": failures, "lines": list(lines.values()), "summary": summary,
                 "message": f"{summary}: " + "; ".join(lines.values())}
+
+
+def ops_summary(nodes: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The ``ops`` checks of every node, per op: ``[{"name", "built": n, "cached": n, "not_needed": n,
+    "failed": n, "seconds": the longest build}]`` (counts of nodes), in the order the ops were asked."""
+    out: dict[str, dict[str, Any]] = {}
+    for node in nodes:
+        for check in node.get("checks") or []:
+            for op in check.get("ops") or [] if check.get("name") == "ops" else []:
+                row = out.setdefault(str(op.get("name")), {"name": str(op.get("name")), "built": 0, "cached": 0,
+                                                           "not_needed": 0, "failed": 0, "seconds": 0.0})
+                if op.get("status") in ("built", "cached", "not_needed", "failed"):
+                    row[op["status"]] += 1
+                row["seconds"] = max(row["seconds"], round(float(op.get("seconds") or 0.0), 3))
+    return list(out.values())
 
 
 def _ranks(ranks: Iterable[int]) -> str:

@@ -11,6 +11,7 @@ from typing import Any
 
 from rich.live import Live
 
+from ...observe.views import ops_words
 from .output import console, err_console, fmt_loss, print_json, printable
 from .render import final_words, render_detail, resume_words
 
@@ -101,8 +102,9 @@ def follow_plain(controller: Any, job_id: str, run: Any, args: argparse.Namespac
             elif ev.kind in ("warning", "allocation"):
                 say(f"{'warning: ' if ev.kind == 'warning' else ''}{ev.data.get('message')}", ev.at)
             elif ev.kind == "preflight" and ev.data.get("passed"):
+                ops = ops_words(ev.data.get("ops"))
                 say(f"preflight passed on {len(ev.data.get('nodes') or [])} node(s) in "
-                    f"{ev.data.get('seconds', 0):.2f} s", ev.at)
+                    f"{ev.data.get('seconds', 0):.2f} s{'; DeepSpeed ops: ' + ops if ops else ''}", ev.at)
             elif ev.kind == "hang_detected":
                 say(f"no progress on rank(s) {', '.join(map(str, ev.data.get('ranks', [])))}: dumping every rank's "
                     "stacks to see what each is doing", ev.at)

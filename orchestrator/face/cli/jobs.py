@@ -114,6 +114,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         c.print(json.dumps(plan.deepspeed_config, indent=2), markup=False, highlight=False, soft_wrap=True)
     if plan.deepspeed_autos:
         c.print(autos_line(plan.deepspeed_autos), markup=False, highlight=False, soft_wrap=True)
+    ops = ops_line(spec, plan)
+    if ops:
+        c.print(ops, markup=False, highlight=False, soft_wrap=True)
     c.print(checkpoints_line(spec, plan), markup=False, highlight=False, soft_wrap=True)
     c.print(Text(f"What the real {plan.launcher} launcher would run:", style="bold"))
     for cmd in plan.real_commands:
@@ -166,6 +169,18 @@ def checkpoints_line(spec, plan) -> str:
             "sets ORCH_RESUME_CHECKPOINT and ORCH_RESUME_TAG only")
     return (f"checkpoints: {plan.resume_dir} ({fmt} format: {why}); agents hash them ({spec.resume.hash}); "
             f"a resume {told}")
+
+
+def ops_line(spec, plan) -> str | None:
+    """What the preflight builds (or finds built) on every node before the ranks start: the DeepSpeed ops
+    of the job's config (``orchestrator.spec.dsops``); None when the preflight does not build them."""
+    from ...spec.dsops import ops_needed
+    from ...supervision.preflight import skipped_checks
+    if not spec.preflight.enabled or "ops" in skipped_checks(spec, plan):
+        return None
+    ops = ops_needed(plan.deepspeed_config)
+    return ("DeepSpeed ops the preflight builds, or finds built, on every node before the ranks start: "
+            + ", ".join(f"{op['name']} ({op['why']})" for op in ops))
 
 
 def autos_line(autos: dict) -> str:
