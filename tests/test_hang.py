@@ -60,4 +60,10 @@ def test_a_rank_that_blocks_fails_the_attempt_with_its_stacks(orch, write_spec, 
     assert "hang_forever" not in stacks["0"] and re.search(r"all_reduce|allreduce|backward|wait", stacks["0"]), \
         stacks["0"][:2000]
     assert f"cause: {cause['message']}" in " ".join(out.split())
+    # every rank found stuck by its dump (rank 1 in its own code, rank 0 in the collective it waits in) is
+    # SIGKILLed once the stacks are dumped, with no grace period: neither would finish on SIGTERM
+    assert cause["kill"] == [0, 1]
+    exits = {e.data["global_rank"]: e.data for e in orch.events(job_id, "rank_exit")}
+    assert exits[1]["returncode"] == -9 and exits[1]["how"] == "signal SIGKILL", exits
+    assert orch.events(job_id, "silence_wait") == []  # every rank's exit was known: no node was waited for
     assert_no_leftovers(job_id, timeout=5)

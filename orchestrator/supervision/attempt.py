@@ -490,9 +490,13 @@ class AttemptRun(AttemptMessages):
         try:
             cause = self.cause or self.store.get_job(self.job_id).cause or {}
             reason = cause.get("message", "attempt ended")
-            hung = cause.get("ranks") or [] if cause.get("kind") in ("no_progress", "startup_timeout") else []
-            teardown = Teardown(self.agents, self.node_state, self.heartbeats, self.provisioner, self._drain)
+            hung = (cause.get("kill") or cause.get("ranks") or []) if cause.get("kind") in ("no_progress",
+                                                                                          "startup_timeout") else []
+            teardown = Teardown(self.agents, self.node_state, self.heartbeats, self.provisioner, self._drain,
+                                exits_known=lambda: len(self.exits) >= self.plan.world_size)
             lost = teardown.stop(reason, self.plan.grace, self._failed_at, kill=hung)
+            if teardown.silence_wait:  # nodes whose ranks' fate was unknown were given the node timeout
+                self._event("silence_wait", teardown.silence_wait)
             self._revise_cause(lost)
             swept = teardown.finish(self.plan)
             if swept:

@@ -34,22 +34,30 @@ class Teardown:
         provisioner: started the agents; drops lost nodes, sweeps, closes.
         drain: reads and handles every message waiting from the agents, without waiting.
         clock: monotonic seconds.
+        exits_known: whether every rank's exit is known (then no node is waited for after a failure).
     """
 
     def __init__(self, agents: Mapping[int, AgentHandle], node_state: dict[int, str], heartbeats: HeartbeatWatch,
                  provisioner: Provisioner, drain: Callable[[], None],
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 exits_known: Callable[[], bool] = lambda: False) -> None:
         self.agents = agents
         self.node_state = node_state
         self.heartbeats = heartbeats
         self.provisioner = provisioner
         self.drain = drain
         self.clock = clock
+        self.exits_known = exits_known
+        #: The wait for silent nodes after a failure, when there was one: ``{"nodes": [node ranks waited
+        #: for], "seconds"}`` (the attempt records it as a ``silence_wait`` event); None when none was needed.
+        self.silence_wait: dict[str, Any] | None = None
         self._live: dict[int, AgentHandle] = {}
 
     def stop(self, reason: str, grace_s: float, failed_at: float | None, kill: Collection[int] = ()) -> set[int]:
-        """Tell every reachable agent to stop its ranks (SIGTERM, ``grace_s``, SIGKILL) and wait for it;
-        after a failure, give nodes silent since it until the node timeout to speak. ``kill``: global
+        """Tell every reachable agent to stop its ranks (SIGTERM, ``grace_s``, SIGKILL) and wait until it said
+        ``stopped`` (or its process ended; at most ``grace_s`` + :data:`STOP_SLACK_S`); after a failure,
+        unless every rank's exit is known already (``exits_known``), give nodes silent since it until the
+        node timeout to speak: only a node whose ranks' fate is unknown is waited for. ``kill``: global
         ranks found hung (their stacks dumped), which their agents SIGKILL at once.
 
         Returns:
@@ -66,12 +74,14 @@ class Teardown:
                 handle.send({"type": "stop", "reason": reason, **({"kill": sorted(kill)} if kill else {})})
         deadline = self.clock() + grace_s + STOP_SLACK_S
         for node_rank, handle in self._live.items():
-            while not handle.wait(0.1) and self.clock() < deadline:
+            # "stopped" is the agent's last word (sent once its ranks and their leftovers are gone): its own
+            # exit is not waited for ("done" is followed by its cleanup, which is)
+            while self.node_state[node_rank] != "stopped" and not handle.wait(0.1) and self.clock() < deadline:
                 self.drain()
                 if node_rank in self._lost_while_stopping():
                     break
         self.drain()
-        if failed_at is not None:
+        if failed_at is not None and not self.exits_known():
             self._await_silent(failed_at + self.heartbeats.heartbeat_s)
         newly_lost = self._lost_while_stopping()
         for node_rank in newly_lost:
@@ -109,12 +119,18 @@ class Teardown:
 
     def _await_silent(self, since: float) -> None:
         """Give each node not heard from since ``since`` until the node timeout to speak; one that
-        stays silent is lost. Costs nothing when every node answered; at most the node timeout."""
+        stays silent is lost. Costs nothing when every node answered; at most the node timeout. A wait
+        that happened is kept in :attr:`silence_wait`."""
+        started, waited = self.clock(), set()
         while True:
             self.drain()
-            if not self.heartbeats.silent_since(self.node_state, since):
-                return
+            silent = self.heartbeats.silent_since(self.node_state, since)
+            if not silent:
+                break
+            waited.update(silent)
             time.sleep(0.05)
+        if waited:
+            self.silence_wait = {"nodes": sorted(waited), "seconds": round(self.clock() - started, 3)}
 
 
 def root_cause(cause: dict[str, Any], lost: set[int], heartbeats: HeartbeatWatch, failed_at: float,

@@ -285,8 +285,9 @@ class ProgressWatch:
 
     def due(self) -> tuple[str, dict[str, Any]] | None:
         """The verdict once every node asked dumped its stacks (or the wait ran out), else None:
-        ``("fail", cause)`` naming what each stalled rank is stuck in, or ``("dismissed", {"ranks", "doing",
-        "more_seconds"})`` when every stalled rank is exiting or saving (or a rank exited 0 meanwhile)."""
+        ``("fail", cause)`` naming what each stalled rank is stuck in (``kill``: the ranks to SIGKILL at
+        once), or ``("dismissed", {"ranks", "doing", "more_seconds"})`` when every stalled rank is exiting or
+        saving (or a rank exited 0 meanwhile)."""
         if self._hang is None or (self._hang["waiting"] and self.clock() <= self._hang["deadline"]):
             return None
         hang, self._hang = self._hang, None
@@ -313,6 +314,10 @@ class ProgressWatch:
                 words = f"{words}, at {summary['where']}"
             stuck.append(f"rank {r}: {words or 'stacks unknown'}")
         cause["stuck_in"] = {str(r): summaries.get(str(r)) for r in cause["ranks"] if summaries.get(str(r))}
+        # SIGKILLed at once (no grace period): the named ranks and every rank its dump found stuck (in user
+        # code, a collective, stopped by a signal), not one found exiting or saving (it gets SIGTERM and grace)
+        cause["kill"] = sorted(set(cause["ranks"]) | {int(r) for r, s in summaries.items() if str(r).isdigit()
+                                                      and (s or {}).get("kind") not in ("exiting", "saving")})
         head, _, tail = cause["message"].partition("; stacks of every rank")
         cause["message"] = f"{head} ({'; '.join(stuck)}); stacks of every rank{tail}"
         return "fail", cause
