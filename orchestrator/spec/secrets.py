@@ -14,7 +14,8 @@ import dataclasses
 import fnmatch
 import re
 import shlex
-from typing import Any, Iterable, Mapping
+from collections.abc import Mapping
+from typing import Any, Callable, Iterable
 
 __all__ = ["MASK", "is_secret_name", "secret_values", "redact"]
 
@@ -36,10 +37,33 @@ def is_secret_name(name: str, patterns: Iterable[str] = ()) -> bool:
 _PATHS_NOT_VALUES = frozenset({"env_from_file"})
 
 
+def _secret_names(patterns: tuple[str, ...]) -> Callable[[str], bool]:
+    """:func:`is_secret_name` under ``patterns``, answered once per name (a plan of 32,768 ranks repeats the
+    same few dozen names in every rank's environment)."""
+    seen: dict[str, bool] = {}
+
+    def secret(name: str) -> bool:
+        known = seen.get(name)
+        if known is None:
+            known = seen[name] = is_secret_name(name, patterns)
+        return known
+    return secret
+
+
+#: values that hold nothing to look into (skipped without the checks below: a large plan has millions)
+_LEAVES = frozenset({str, int, float, bool, type(None)})
+
+
+def _is_mapping(obj: Any) -> bool:
+    return type(obj) is dict or isinstance(obj, Mapping)  # dict first: the ABC's check is slower
+
+
 def _children(obj: Any) -> Iterable[Any]:
+    if type(obj) in _LEAVES:
+        return ()
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         return [getattr(obj, f.name) for f in dataclasses.fields(obj) if f.name not in _PATHS_NOT_VALUES]
-    if isinstance(obj, Mapping):
+    if _is_mapping(obj):
         return [v for k, v in obj.items() if k not in _PATHS_NOT_VALUES]
     if isinstance(obj, (list, tuple, set, frozenset)):
         return list(obj)
@@ -49,13 +73,14 @@ def _children(obj: Any) -> Iterable[Any]:
 def _secret_pairs(obj: Any, patterns: tuple[str, ...]) -> set[tuple[str, str]]:
     """``(name, value)`` of every secret variable in ``obj``'s mappings (dataclasses, dicts, lists, nested)."""
     found: set[tuple[str, str]] = set()
+    secret = _secret_names(patterns)
     stack = [obj]
     while stack:
         item = stack.pop()
-        if isinstance(item, Mapping):
+        if _is_mapping(item):
             found.update((k, v) for k, v in item.items() if isinstance(k, str) and isinstance(v, str) and v
-                         and k not in _PATHS_NOT_VALUES and is_secret_name(k, patterns))
-        stack.extend(_children(item))
+                         and k not in _PATHS_NOT_VALUES and secret(k))
+        stack.extend(c for c in _children(item) if type(c) not in _LEAVES)
     return found
 
 
@@ -76,6 +101,7 @@ def redact(obj: Any, patterns: Iterable[str] = (), values: Iterable[str] = ()) -
              for k, v in sorted(pairs, key=lambda kv: -len(kv[1]))]
     by_name = re.compile("|".join(named)) if named else None
     search = re.compile("|".join(re.escape(v) for v in hidden)) if hidden else None
+    secret = _secret_names(patterns)
 
     def text(s: str) -> str:
         if by_name is not None:
@@ -83,14 +109,16 @@ def redact(obj: Any, patterns: Iterable[str] = (), values: Iterable[str] = ()) -
         return search.sub(MASK, s) if search is not None else s
 
     def walk(item: Any) -> Any:
+        if type(item) in _LEAVES and type(item) is not str:
+            return item
         if isinstance(item, str):
-            return text(item)
+            return text(item) if by_name is not None or search is not None else item
         if dataclasses.is_dataclass(item) and not isinstance(item, type):
             return dataclasses.replace(item, **{f.name: walk(getattr(item, f.name)) for f in dataclasses.fields(item)
                                                 if f.init and f.name not in _PATHS_NOT_VALUES})
-        if isinstance(item, Mapping):
+        if _is_mapping(item):
             return {k: (v if k in _PATHS_NOT_VALUES else
-                        MASK if isinstance(k, str) and isinstance(v, str) and v and is_secret_name(k, patterns)
+                        MASK if isinstance(k, str) and isinstance(v, str) and v and secret(k)
                         else walk(v)) for k, v in item.items()}
         if isinstance(item, (list, tuple)):
             return type(item)(walk(v) for v in item) if not hasattr(item, "_fields") else type(item)(*map(walk, item))

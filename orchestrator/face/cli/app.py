@@ -65,6 +65,15 @@ def _server_options(sp: argparse.ArgumentParser) -> None:
                          "(default $ORCH_PROMETHEUS_TARGETS or <state dir>/prometheus/targets; see docs/metrics.md)")
 
 
+def _plan_options(sp: argparse.ArgumentParser) -> None:
+    """``orch plan``'s arguments and options."""
+    job_arguments(sp)
+    sp.add_argument("--offline", action="store_true", help="plan for hosts this machine cannot reach (names that "
+                    "do not resolve here, keys not in known_hosts): checks that need them are skipped and listed")
+    sp.add_argument("--all", action="store_true", help="every node, rank and command of a plan of more than 16 nodes "
+                    "(default: a summary: counts, the first and last nodes and ranks, rank 0's environment in full)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     common = Parser(add_help=False)
     common_options(common, top=False)
@@ -84,9 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = add("plan", cmd_plan, "Show where every rank of a job would run, with its environment and command "
              "line, and the command the real launcher would run. Starts nothing.")
-    job_arguments(sp)
-    sp.add_argument("--offline", action="store_true", help="plan for hosts this machine cannot reach (names that "
-                    "do not resolve here, keys not in known_hosts): checks that need them are skipped and listed")
+    _plan_options(sp)
     sp = add("run", cmd_run, "Run a job in the foreground with live progress; exit 0 only if it succeeds. "
              "Ctrl-C cancels it.")
     job_arguments(sp)

@@ -4,13 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
 import uuid
 import time
-from typing import Any
 
-from rich.table import Table
 from rich.text import Text
 
 from agents import devices
@@ -20,41 +17,8 @@ from .backends import StoreBackend, http_backend, find_server, pick_backend, sta
 from .follow import follow_embedded
 from .options import load_job, report_shell_env
 from .output import UsageError, console, emit_detail, err_console, print_json
+from .planview import SUMMARY_ABOVE_NODES, print_layout, print_real_commands
 from .render import resume_preview_lines, start_checkpoint
-
-
-#: rows of the Nodes and Ranks tables ``orch plan`` prints (``--output json`` has them all)
-_SHOWN_ROWS = 64
-
-
-def _more(count: int, what: str) -> None:
-    if count > _SHOWN_ROWS:
-        console.print(f"  ... and {count - _SHOWN_ROWS} more {what} (orch plan --output json lists all {count})",
-                      highlight=False)
-
-
-def _ranges(numbers: Any) -> str:
-    """``[0, 1, 2, 5, 7, 8]`` -> ``"0-2,5,7-8"``: a node's slots or ranks, short however many."""
-    out: list[str] = []
-    for n in numbers:
-        if out and int(out[-1].rsplit("-", 1)[-1]) == n - 1:
-            first = out[-1].split("-", 1)[0]
-            out[-1] = f"{first}-{n}"
-        else:
-            out.append(str(n))
-    return ",".join(out)
-
-
-def _print_nodes(plan: Any, interfaces: dict[int, str]) -> None:
-    """``orch plan``'s Nodes table (the first :data:`_SHOWN_ROWS`)."""
-    nodes = Table(title="Nodes", box=None, title_justify="left", pad_edge=False)
-    for col in ("node rank", "host", "slots", "global ranks", "metrics", "collectives' interface"):
-        nodes.add_column(col, overflow="fold")
-    for n in plan.nodes[:_SHOWN_ROWS]:
-        nodes.add_row(str(n.node_rank), n.host, _ranges(n.slots), _ranges([r.global_rank for r in n.ranks]),
-                      f":{n.metrics_port}/metrics" if n.metrics_port else "-", interfaces[n.node_rank])
-    console.print(nodes)
-    _more(len(plan.nodes), "nodes")
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -70,34 +34,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print_json({**plan.to_dict(), "network": {str(n): v for n, v in interfaces.items()}})
         return 0
     c = console
+    summary = len(plan.nodes) > SUMMARY_ABOVE_NODES and not getattr(args, "all", False)  # planview's docstring
     c.print(Text(f"Plan for job '{plan.job_name}' (nothing started)", style="bold"))
     c.print(f"launcher {plan.launcher}, provisioner {plan.provisioner}, {len(plan.nodes)} node(s), "
             f"world size {plan.world_size}, master {plan.master_addr}:{plan.master_port}",
             markup=False, highlight=False)
-    _print_nodes(plan, interfaces)
-    pairs = plan.ranks()
-    here = os.environ if plan.provisioner == "local" else {}  # local agents' node environment is this one
-    envs = [_as_run(dict(r.env), here, n.host) for n, r in pairs]
-    common = {k: v for k, v in envs[0].items() if all(e.get(k) == v for e in envs)}
-    c.print(Text("Environment of every rank (over its node's own):", style="bold"))
-    for k in sorted(common):
-        c.print(f"  {k}={shlex.quote(common[k])}", markup=False, highlight=False, soft_wrap=True)
-    from_files = plan.nodes[0].env_from_file if plan.nodes else {}
-    if from_files:
-        c.print("  read on each node when its ranks start (env_from_file; never stored): "
-                + ", ".join(f"{k} from {v}" for k, v in sorted(from_files.items())), markup=False, highlight=False,
-                soft_wrap=True)
-    ranks = Table(title="Ranks", box=None, title_justify="left", pad_edge=False)
-    for col in ("rank", "node", "local rank", "slot", "rank's own environment", "command line"):
-        ranks.add_column(col, overflow="fold")
-    for (n, r), env in list(zip(pairs, envs))[:_SHOWN_ROWS]:
-        own = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(env.items()) if k not in common)
-        physical = devices.describe(here, [r.slot])
-        slot = f"{r.slot} (device {physical[0]})" if physical else str(r.slot)
-        ranks.add_row(str(r.global_rank), f"{n.host} ({n.node_rank})", str(r.local_rank), slot, own,
-                      shlex.join(r.argv))
-    c.print(ranks)
-    _more(len(pairs), "ranks")
+    here = print_layout(plan, interfaces, summary, getattr(args, "all", False))
     c.print(devices_line(plan, here), markup=False, highlight=False, soft_wrap=True)
     defaults = {k: v for n in plan.nodes for k, v in n.env_defaults.items()}
     if defaults:
@@ -118,12 +60,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if ops:
         c.print(ops, markup=False, highlight=False, soft_wrap=True)
     c.print(checkpoints_line(spec, plan), markup=False, highlight=False, soft_wrap=True)
-    c.print(Text(f"What the real {plan.launcher} launcher would run:", style="bold"))
-    for cmd in plan.real_commands:
-        where = f"on {cmd.where}" if cmd.where else "on the launching machine"
-        prefix = " ".join(f"{k}={shlex.quote(v)}" for k, v in cmd.env.items())
-        c.print(f"  {where}: {prefix + ' ' if prefix else ''}{shlex.join(cmd.argv)}", markup=False,
-                highlight=False, soft_wrap=True)
+    print_real_commands(plan, summary)
     native = plan.nodes[0].native.get("command") if plan.nodes and plan.nodes[0].native else None
     if native:
         c.print(Text(f"launch_mode native: the agent on {plan.nodes[0].host} runs (the first of "
@@ -135,16 +72,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
     for w in plan.warnings:
         err_console.print(Text(f"warning: {w}", style="yellow"), soft_wrap=True)
     return 0
-
-
-def _as_run(env: dict, here, host: str) -> dict:
-    """A rank's planned variables as its agent gives them here: slot indices in CUDA_VISIBLE_DEVICES
-    mapped to this machine's assigned devices (agents.devices)."""
-    try:
-        physical = devices.mapped(env, here, host)
-    except ValueError:
-        return env
-    return {**env, devices.VAR: physical} if physical is not None else env
 
 
 def devices_line(plan, here) -> str:
