@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.quick:
         args.rounds, args.window = 1, 3.0
-    print(f"machine: {os.cpu_count()} cores, load {os.getloadavg()[0]:.2f}")
+    print(f"machine: {os.cpu_count()} cores, load {os.getloadavg()[0]:.2f}\n")
     print("| agents | progress | CPU (% of a core), min / median / max | per agent | threads | to RUNNING | cancel |")
     print("|---|---|---|---|---|---|---|")
     for nodes in args.nodes:

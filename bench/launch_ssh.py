@@ -1,0 +1,210 @@
+"""Submit to the first training step on every rank, on 3 ssh hosts: orch vs DeepSpeed's pdsh runner vs
+torchrun on each node vs one bare process.
+
+3 hosts (network namespaces with their own sshd, tests/nethosts.py), 1 slot each, the same tiny ZeRO-2 job
+of examples/train_gpt.py (2 steps). The systems, run in alternating rounds (A B C D A B C D ...):
+
+* ``orch``: ``orch run job.yaml`` with the ssh provisioner (paramiko) and the pdsh launcher's semantics
+  (``fast_start`` as the spec's default);
+* ``deepspeed-pdsh``: ``deepspeed --hostfile H --launcher pdsh --master_addr A train_gpt.py ...``, the real
+  runner with Debian's pdsh over OpenSSH (an ``ssh`` on PATH that adds ``-F <the hosts' ssh config>``, as a
+  user's ~/.ssh/config would; the runner's own ssh check included) and a ``.deepspeed_env`` for the ranks'
+  variables;
+* ``torchrun``: ``ssh host torchrun --nnodes 3 --node_rank i ...`` to every host at once;
+* ``bare``: one local process, world size 1 (Python, the imports, a gloo group of one, one step).
+
+Seconds from starting the command to the moment the *last* rank has logged ``[train] step=1``; min, median
+and max over the rounds, and each system's median over orch's. Needs root (namespaces).
+
+    sudo .venv/bin/python bench/launch_ssh.py --rounds 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+EXAMPLES = ROOT / "examples"
+ARGS = ["--steps", "2", "--n-layer", "1", "--d-model", "32", "--n-head", "2", "--seq-len", "32",
+        "--corpus-bytes", "200000", "--log-interval", "0"]
+STEP1 = re.compile(rb"\[train\] step=1 rank=(\d+) ")
+HOSTS = 3
+
+
+def _env_vars() -> dict[str, str]:
+    """What every system's ranks get: the CPU accelerator, one thread, gloo on the namespace's interface, a
+    private op cache (built once before the rounds)."""
+    return {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "eth0",
+            "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(ROOT / ".torch_extensions")),
+            "ORCH_DEEPSPEED_CONFIG": str(EXAMPLES / "ds_zero2.json")}
+
+
+def _wait_step1(files: Callable[[], list[Path]], t0: float, procs: list[subprocess.Popen], timeout: float = 300) -> float:
+    while time.perf_counter() - t0 < timeout:
+        seen: set[int] = set()
+        for f in files():
+            try:
+                seen |= {int(m) for m in STEP1.findall(f.read_bytes())}
+            except OSError:
+                pass
+        if len(seen) == HOSTS or (len(seen) == 1 and HOSTS == 1):
+            return time.perf_counter() - t0
+        if procs and all(p.poll() is not None for p in procs):
+            raise RuntimeError(f"ended before step 1 on every rank: {[str(f) for f in files()]}")
+        time.sleep(0.01)
+    raise TimeoutError("no step 1 on every rank in time")
+
+
+class Systems:
+    """The four ways to start the job on one :class:`nethosts.TestNetwork` (see the module docstring)."""
+
+    def __init__(self, net, work: Path) -> None:
+        self.net, self.work = net, work
+        self.port = 29600
+        bin_dir = work / "bin"
+        bin_dir.mkdir()
+        ssh = bin_dir / "ssh"
+        ssh.write_text(f"#!/bin/sh\nexec /usr/bin/ssh -F {net.ssh_config} \"$@\"\n")
+        ssh.chmod(0o755)
+        self.path = f"{bin_dir}:{Path(sys.executable).parent}:{os.environ.get('PATH', '/usr/bin:/bin')}"
+        self.hostfile = work / "hostfile"
+        self.hostfile.write_text("".join(f"{n} slots=1\n" for n in net.names))
+        self.ds_env = work / "ds_env"
+        self.ds_env.write_text("".join(f"{k}={v}\n" for k, v in {**_env_vars(), "PATH": self.path}.items()))
+
+    def _next_port(self) -> int:
+        self.port += 1
+        return self.port
+
+    def _dir(self, name: str) -> Path:
+        return Path(tempfile.mkdtemp(prefix=f"{name}-", dir=self.work))
+
+    def orch(self) -> float:
+        d = self._dir("orch")
+        p = self.net.client_params()
+        spec = d / "job.yaml"
+        spec.write_text(yaml.safe_dump({
+            "name": "bench", "hostfile": str(self.hostfile), "provisioner": "ssh", "launcher": "pdsh",
+            "workdir": str(EXAMPLES), "entrypoint": "train_gpt.py", "args": ARGS,
+            "deepspeed_config": str(EXAMPLES / "ds_zero2.json"), "master_port": self._next_port(),
+            "ssh": {"user": p["user"], "identity_file": p["key_filename"], "known_hosts": p["known_hosts"]},
+            "env": {**_env_vars(), "PATH": self.path}}))
+        env = {**os.environ, "ORCH_STATE_DIR": str(d / "state"), "PATH": self.path}
+        t0 = time.perf_counter()
+        proc = subprocess.Popen([sys.executable, "-m", "orchestrator", "run", str(spec)], env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        dt = _wait_step1(lambda: list((d / "state").glob("jobs/*/attempt-1/logs/rank-*.log")), t0, [proc])
+        if proc.wait(300) != 0:
+            raise RuntimeError(f"orch run failed (state in {d})")
+        return dt
+
+    def deepspeed_pdsh(self) -> float:
+        d = self._dir("ds")
+        out = d / "runner.log"
+        env = {**os.environ, "PATH": self.path, "DS_ENV_FILE": str(self.ds_env), **_env_vars()}
+        t0 = time.perf_counter()
+        with open(out, "wb") as f:
+            proc = subprocess.Popen([sys.executable, "-u", "-m", "deepspeed.launcher.runner", "--hostfile",
+                                     str(self.hostfile), "--launcher", "pdsh", "--master_addr", self.net.addresses[0],
+                                     "--master_port", str(self._next_port()), "train_gpt.py", *ARGS],
+                                    cwd=EXAMPLES, env=env, stdout=f, stderr=subprocess.STDOUT)
+        dt = _wait_step1(lambda: [out], t0, [proc])
+        if proc.wait(300) != 0:
+            raise RuntimeError(f"deepspeed's runner failed: {out}")
+        return dt
+
+    def torchrun(self) -> float:
+        d = self._dir("torchrun")
+        port = self._next_port()
+        exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in {**_env_vars(), "PATH": self.path}.items())
+        t0 = time.perf_counter()
+        procs, logs = [], []
+        for i, host in enumerate(self.net.names):
+            cmd = (f"cd {shlex.quote(str(EXAMPLES))} && env {exports} {shlex.quote(sys.executable)} -m "
+                   f"torch.distributed.run --nnodes {HOSTS} --nproc_per_node 1 --node_rank {i} "
+                   f"--master_addr {self.net.addresses[0]} --master_port {port} train_gpt.py "
+                   + " ".join(shlex.quote(a) for a in ARGS))
+            logs.append(d / f"node-{i}.log")
+            with open(logs[-1], "wb") as f:
+                procs.append(subprocess.Popen(["/usr/bin/ssh", "-F", str(self.net.ssh_config), host, cmd],
+                                              stdout=f, stderr=subprocess.STDOUT))
+        dt = _wait_step1(lambda: logs, t0, procs)
+        for p in procs:
+            if p.wait(300) != 0:
+                raise RuntimeError(f"torchrun failed: {logs}")
+        return dt
+
+    def bare(self) -> float:
+        d = self._dir("bare")
+        log = d / "bare.log"
+        env = {**os.environ, **_env_vars(), "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(self._next_port())}
+        env.pop("GLOO_SOCKET_IFNAME")  # this machine's namespace has no eth0 of the hosts'
+        t0 = time.perf_counter()
+        with open(log, "wb") as f:
+            proc = subprocess.Popen([sys.executable, "-u", "train_gpt.py", *ARGS], cwd=EXAMPLES, env=env,
+                                    stdout=f, stderr=subprocess.STDOUT)
+        while time.perf_counter() - t0 < 300:
+            if STEP1.search(log.read_bytes()):
+                dt = time.perf_counter() - t0
+                proc.wait(300)
+                return dt
+            if proc.poll() is not None:
+                raise RuntimeError(f"the bare process failed: {log}")
+            time.sleep(0.01)
+        raise TimeoutError("the bare process took over 300 s")
+
+
+def measure(rounds: int, systems: tuple[str, ...] = ("orch", "deepspeed_pdsh", "torchrun", "bare"),
+            log: Callable[[str], None] = print) -> dict[str, list[float]]:
+    """``{system: [seconds per round]}``, the systems interleaved round by round on one 3-host network."""
+    from nethosts import TestNetwork
+    times: dict[str, list[float]] = {s: [] for s in systems}
+    with tempfile.TemporaryDirectory(prefix="orch-bench-ssh-") as work, TestNetwork(HOSTS) as net:
+        runs = Systems(net, Path(work))
+        runs.bare()  # warm the page cache and the op cache
+        for i in range(rounds):
+            for s in systems:
+                times[s].append(getattr(runs, s)())
+            log(f"round {i + 1}: " + "  ".join(f"{s} {v[-1]:.2f}s" for s, v in times.items()))
+    return times
+
+
+def table(times: dict[str, list[float]]) -> str:
+    """A markdown table: min / median / max per system, and its median over orch's."""
+    base = statistics.median(times["orch"]) if times.get("orch") else None
+    lines = ["| system | min | median | max | orch / system |", "|---|---|---|---|---|"]
+    for s, v in times.items():
+        med = statistics.median(v)
+        ratio = f"{base / med:.2f}" if base else "-"
+        lines.append(f"| {s.replace('_', ' --launcher ') if s == 'deepspeed_pdsh' else s} | {min(v):.2f} s | "
+                     f"{med:.2f} s | {max(v):.2f} s | {ratio} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--json", action="store_true", help="print the seconds per round as JSON")
+    args = ap.parse_args(argv)
+    times = measure(args.rounds)
+    print(json.dumps(times) if args.json else table(times))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
