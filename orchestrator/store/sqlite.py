@@ -24,6 +24,7 @@ from typing import Any, Callable
 from ..errors import NotFoundError, StateError, StoreFullError
 from .ledger import LEDGER_SCHEMA, CheckpointLedger
 from .progress import PROGRESS_SCHEMA, ProgressSummaries
+from .thinning import ProgressThinning
 from .states import JobState, check_transition
 
 __all__ = ["Store", "JobRecord", "AttemptRecord", "EventRecord"]
@@ -179,7 +180,7 @@ class EventRecord:
                 "kind": self.kind, "data": self.data}
 
 
-class Store(CheckpointLedger, ProgressSummaries):
+class Store(CheckpointLedger, ProgressSummaries, ProgressThinning):
     """The durable store. Thread-safe: one connection guarded by a lock.
 
     Example::
@@ -451,7 +452,8 @@ class Store(CheckpointLedger, ProgressSummaries):
         ``step`` (int) and ``at`` (epoch seconds) and any of ``loss``, ``lr``,
         ``samples_per_second``, ``tokens_per_second``, ``step_seconds``, ``source``
         (see agents/metrics.py). Non-finite floats are kept as the strings "nan"/"inf". The attempt's
-        progress row (:mod:`.progress`: its step, loss, step rate window) takes them in the same transaction."""
+        progress row (:mod:`.progress`: its step, loss, step rate window) takes them in the same transaction, and
+        older points are thinned there now and then (:mod:`.thinning`)."""
         rows, cleaned = [], []
         for rank, point in points:
             clean = {k: (v if not isinstance(v, float) or math.isfinite(v) else str(v)) for k, v in point.items()}
@@ -463,6 +465,7 @@ class Store(CheckpointLedger, ProgressSummaries):
                            rows)
             if cleaned:
                 self._fold_progress(db, job_id, attempt, cleaned, self.clock())
+                self._thin_after_insert(db, job_id, attempt, len(cleaned))
 
     def progress(self, job_id: str, attempt: int, since_id: int = 0, limit: int = 100_000) -> list[dict]:
         """The attempt's recorded points with id > ``since_id``, oldest first: dicts with ``id``,
