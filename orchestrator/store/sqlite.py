@@ -63,6 +63,8 @@ CREATE TABLE IF NOT EXISTS events (
     kind TEXT NOT NULL,
     data TEXT NOT NULL
 );
+-- the job list's order (list_jobs): a page reads its rows only, not every job (100k jobs: 0.5 s a page without)
+CREATE INDEX IF NOT EXISTS jobs_newest ON jobs(created_at DESC, id);
 CREATE INDEX IF NOT EXISTS events_job ON events(job_id, id);
 CREATE TABLE IF NOT EXISTS progress (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
