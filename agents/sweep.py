@@ -20,7 +20,6 @@ from typing import Iterable
 
 from . import cgroups
 from .attach import remove_points
-from .metrics import remove_scratch
 from .ranks import kill_marked
 
 __all__ = ["main", "sweep_attempt"]
@@ -40,6 +39,7 @@ def sweep_attempt(attempt_id: str, node_ranks: Iterable[int], node_rank: int | N
                               node_key="ORCH_AGENT_NODE_RANK")
     killed += kill_marked(attempt_id, node_rank=node_rank)
     remove_points(attempt_id, nodes)
+    from .metrics import remove_scratch  # (prometheus_client: not for `orch list`'s orphan check, which never gets here)
     remove_scratch(scratch, nodes, monitor)
     return killed
 

@@ -4,9 +4,27 @@ and dashboard show.
 May import: ``orchestrator.errors``, ``orchestrator.checkpoints``, ``orchestrator.store``.
 """
 
-from .hints import next_steps
-from .metrics import ControllerMetrics, TargetsWriter, attempt_targets, default_targets_dir
-from .views import job_detail, job_list, job_summary, log_path, node_rows, progress_of, rank_rows, read_log
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
+#: Where each name lives; imported on first use (PEP 562): the CLI's views need no prometheus_client.
+_WHERE = {"next_steps": "hints",
+          **dict.fromkeys(("ControllerMetrics", "TargetsWriter", "attempt_targets", "default_targets_dir"), "metrics"),
+          **dict.fromkeys(("job_detail", "job_list", "job_summary", "log_path", "node_rows", "progress_of", "rank_rows",
+                           "read_log"), "views")}
+
+if TYPE_CHECKING:
+    from .hints import next_steps
+    from .metrics import ControllerMetrics, TargetsWriter, attempt_targets, default_targets_dir
+    from .views import job_detail, job_list, job_summary, log_path, node_rows, progress_of, rank_rows, read_log
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(import_module(f"{__name__}.{_WHERE[name]}"), name)
+    globals()[name] = value
+    return value
 
 __all__ = ["ControllerMetrics", "TargetsWriter", "attempt_targets", "default_targets_dir", "job_summary", "job_list",
            "job_detail", "next_steps", "rank_rows", "node_rows", "read_log", "progress_of", "log_path"]

@@ -12,14 +12,27 @@ process they start, its message link, the marker sweep).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
 
 from ..errors import ProvisionError
-from .base import AgentHandle, Provisioner
-from .local import LocalProvisioner
 
 if TYPE_CHECKING:
     from ..spec import JobSpec
+    from .base import AgentHandle, Provisioner
+    from .local import LocalProvisioner
+
+#: Where each class lives; imported on first use (PEP 562): :data:`REATTACHING` alone (``orch list``'s orphan
+#: check) needs neither the planner nor the agents' modules.
+_WHERE = {"AgentHandle": "base", "Provisioner": "base", "LocalProvisioner": "local"}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(import_module(f"{__name__}.{_WHERE[name]}"), name)
+    globals()[name] = value
+    return value
 
 __all__ = ["AgentHandle", "Provisioner", "LocalProvisioner", "get_provisioner", "REATTACHING"]
 
@@ -27,7 +40,7 @@ __all__ = ["AgentHandle", "Provisioner", "LocalProvisioner", "get_provisioner", 
 REATTACHING = frozenset({"local", "ssh"})
 
 
-def get_provisioner(name: str, spec: "JobSpec | None" = None, look_only: bool = False) -> Provisioner:
+def get_provisioner(name: str, spec: "JobSpec | None" = None, look_only: bool = False) -> "Provisioner":
     """Return the provisioner called ``name``, configured from ``spec`` (its ``python``, ``ssh``).
 
     ``look_only``: for ``orch plan``, which starts nothing (a Ray provisioner then reads the cluster
@@ -37,6 +50,7 @@ def get_provisioner(name: str, spec: "JobSpec | None" = None, look_only: bool = 
         ProvisionError: the provisioner is not available in this version.
     """
     if name == "local":
+        from .local import LocalProvisioner
         return LocalProvisioner()
     if name == "ssh":
         from .ssh import SSHProvisioner

@@ -4,12 +4,36 @@ May import: ``orchestrator.errors``, ``orchestrator.launchers`` (the names of th
 version runs). Everything else reads the spec; the spec reads nothing that runs a job.
 """
 
-from .accelerate import AccelerateSettings, load_accelerate_config
-from .files import read_yaml
-from .resume import ResumeOptions
-from .job_deepspeed import JobDeepSpeed, job_deepspeed
-from .jobspec import (KNOWN_LAUNCHERS, PROVISIONERS, JobSpec, PreflightOptions, RayOptions, RestartPolicy, SlurmOptions, SSHOptions,
-                      env_pattern_problem, load_deepspeed_config, load_spec, pass_through, spec_from_dict)
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
+#: Where each name lives; imported on first use (PEP 562), so a command that reads only a small part (the
+#: job list, a secret's redaction) does not load pydantic's models and Accelerate's rules (~0.4 s).
+_WHERE = {
+    "AccelerateSettings": "accelerate", "load_accelerate_config": "accelerate", "read_yaml": "files",
+    "ResumeOptions": "resume", "JobDeepSpeed": "job_deepspeed", "job_deepspeed": "job_deepspeed",
+    **dict.fromkeys(("KNOWN_LAUNCHERS", "PROVISIONERS", "JobSpec", "PreflightOptions", "RayOptions", "RestartPolicy",
+                     "SlurmOptions", "SSHOptions", "env_pattern_problem", "load_deepspeed_config", "load_spec",
+                     "pass_through", "spec_from_dict"), "jobspec"),
+}
+
+if TYPE_CHECKING:
+    from .accelerate import AccelerateSettings, load_accelerate_config
+    from .files import read_yaml
+    from .job_deepspeed import JobDeepSpeed, job_deepspeed
+    from .jobspec import (KNOWN_LAUNCHERS, PROVISIONERS, JobSpec, PreflightOptions, RayOptions, RestartPolicy,
+                          SlurmOptions, SSHOptions, env_pattern_problem, load_deepspeed_config, load_spec, pass_through,
+                          spec_from_dict)
+    from .resume import ResumeOptions
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(import_module(f"{__name__}.{_WHERE[name]}"), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = ["JobSpec", "SSHOptions", "RayOptions", "SlurmOptions", "RestartPolicy", "PreflightOptions", "ResumeOptions", "AccelerateSettings",
            "load_spec", "spec_from_dict", "load_deepspeed_config", "read_yaml", "load_accelerate_config",

@@ -12,11 +12,30 @@ restart policy), :mod:`.resume` (where a resume starts), :mod:`.orphans` (jobs w
 :mod:`.settings` (deadlines), :mod:`.pruning` (the spec's checkpoint retention), :mod:`.housekeeping` (``orch gc``).
 """
 
-from .attempt import AttemptRun
-from .controller import Controller, default_state_dir, new_job_id
-from .messages import rank_log_tail
-from .orphans import recover_orphans
-from .prepare import prepare_plan
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
+#: Where each name lives; imported on first use (PEP 562): ``orch list`` needs the orphan check, not the
+#: controller, its provisioners and the planner.
+_WHERE = {"AttemptRun": "attempt", "Controller": "controller", "default_state_dir": "settings",
+          "new_job_id": "controller", "rank_log_tail": "messages", "recover_orphans": "orphans",
+          "prepare_plan": "prepare"}
+
+if TYPE_CHECKING:
+    from .attempt import AttemptRun
+    from .controller import Controller, new_job_id
+    from .settings import default_state_dir
+    from .messages import rank_log_tail
+    from .orphans import recover_orphans
+    from .prepare import prepare_plan
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(import_module(f"{__name__}.{_WHERE[name]}"), name)
+    globals()[name] = value
+    return value
 
 __all__ = ["Controller", "AttemptRun", "prepare_plan", "recover_orphans", "default_state_dir", "new_job_id",
            "rank_log_tail"]

@@ -42,14 +42,9 @@ from .prepare import pool_of, prepare_plan, resume_dir_of
 from .queued import QueuedAttempt, allocation_size
 from .restarts import Restarts
 from .resume import check_fresh_start, check_reachable, check_world, convert, fresh_start_note, crashed_loading, find_start, rewrite_latest, tell_script
-from .settings import Timings
+from .settings import Timings, default_state_dir
 
 __all__ = ["Controller", "default_state_dir", "new_job_id"]
-
-
-def default_state_dir() -> Path:
-    """``$ORCH_STATE_DIR``, else ``~/.orch``."""
-    return Path(os.environ.get("ORCH_STATE_DIR") or Path.home() / ".orch").expanduser()
 
 
 def new_job_id(name: str) -> str:

@@ -18,15 +18,16 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from ..errors import OrchError, PlanError
-from ..planning import JobPlan
-from ..provisioners import REATTACHING, Provisioner
-from ..spec import JobSpec, spec_from_dict
+from ..provisioners import REATTACHING
 from ..store import JobRecord, JobState, Store
-from .attempt import AttemptRun, AttemptServices
-from .ports import PortLease, default_lock_dir, reserve_port
+
+if TYPE_CHECKING:  # (take_over imports them: a command that only asks awaiting_reattach loads none of them)
+    from ..provisioners import Provisioner
+    from ..spec import JobSpec
+    from .attempt import AttemptRun, AttemptServices
 
 __all__ = ["AliveFile", "awaiting_reattach", "take_over"]
 
@@ -89,8 +90,8 @@ def awaiting_reattach(job: JobRecord, now: float | None = None) -> float:
     return max(0.0, seen + window + SLACK_S - (time.time() if now is None else now))
 
 
-def take_over(store: Store, job: JobRecord, services: AttemptServices, owner: dict[str, Any],
-              provisioner_factory: Callable[[str, JobSpec], Provisioner]) -> AttemptRun | None:
+def take_over(store: Store, job: JobRecord, services: "AttemptServices", owner: dict[str, Any],
+              provisioner_factory: "Callable[[str, JobSpec], Provisioner]") -> "AttemptRun | None":
     """Start supervising ``job``'s running attempt (its owner died) as ``owner``; None when it cannot be
     (its window passed, its plan or spec cannot be read: :func:`~.orphans.recover_orphans` then fails it).
 
@@ -99,6 +100,10 @@ def take_over(store: Store, job: JobRecord, services: AttemptServices, owner: di
     """
     if awaiting_reattach(job) <= 0:
         return None
+    from ..planning import JobPlan
+    from ..spec import spec_from_dict
+    from .attempt import AttemptRun
+    from .ports import PortLease, default_lock_dir, reserve_port
     try:
         spec = spec_from_dict(job.spec, source=f"job {job.id}")
         plan = JobPlan.from_dict(store.get_attempt(job.id, job.attempt).plan)

@@ -1,13 +1,19 @@
 """How fast supervision notices things: every deadline of an attempt, in seconds, from the controller's
-arguments or environment.
+arguments or environment; and where the state lives by default.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
-__all__ = ["Timings", "env_seconds"]
+__all__ = ["Timings", "env_seconds", "default_state_dir"]
+
+
+def default_state_dir() -> Path:
+    """``$ORCH_STATE_DIR``, else ``~/.orch``."""
+    return Path(os.environ.get("ORCH_STATE_DIR") or Path.home() / ".orch").expanduser()
 
 
 def env_seconds(name: str, default: float) -> float:

@@ -24,16 +24,30 @@ from rich.text import Text
 
 from ... import __version__
 from ...errors import OrchError
-from .export import cmd_export
-from .gc import cmd_gc, gc_options
+from .gc import gc_options
 from .dropin import DROPINS, dropin_help, run_dropin
-from .jobs import cmd_cancel, cmd_plan, cmd_resume, cmd_run, cmd_submit
 from .options import common_options, host_list, job_arguments, positive_int, seconds_arg, tcp_port
 from .output import Parser, err_console, print_json, printable
-from .server import DEFAULT_PORT, cmd_server
-from .show import cmd_list, cmd_logs, cmd_stacks, cmd_status
+from .server import DEFAULT_PORT
 
 __all__ = ["main"]
+
+
+def _lazy(module: str, name: str) -> Callable[[argparse.Namespace], int]:
+    """The command ``name`` of ``orchestrator.face.cli.<module>``, imported when it runs: a command loads only
+    what it uses (the spec's models, the store, the controller, rich's tables), not what every other needs."""
+    def run(args: argparse.Namespace) -> int:
+        import importlib
+        return getattr(importlib.import_module(f"{__package__}.{module}"), name)(args)
+    run.__name__ = name
+    return run
+
+
+cmd_plan, cmd_run, cmd_submit = _lazy("jobs", "cmd_plan"), _lazy("jobs", "cmd_run"), _lazy("jobs", "cmd_submit")
+cmd_cancel, cmd_resume = _lazy("jobs", "cmd_cancel"), _lazy("jobs", "cmd_resume")
+cmd_list, cmd_logs = _lazy("show", "cmd_list"), _lazy("show", "cmd_logs")
+cmd_stacks, cmd_status = _lazy("show", "cmd_stacks"), _lazy("show", "cmd_status")
+cmd_export, cmd_gc, cmd_server = _lazy("export", "cmd_export"), _lazy("gc", "cmd_gc"), _lazy("server", "cmd_server")
 
 
 def _submit_and_list(add: Callable[..., argparse.ArgumentParser]) -> None:
@@ -186,7 +200,7 @@ def main(argv: Iterable[str] | None = None) -> int:
         args = parser.parse_args(argv)
     fmt = getattr(args, "output", "table")
     if fmt not in ("table", "json"):
-        if getattr(args, "func", None) is cmd_export and args.file is None:  # orch export JOB --output model.pt
+        if getattr(args, "command", None) == "export" and args.file is None:  # orch export JOB --output model.pt
             args.file, args.output = fmt, "table"
         else:
             parser.error(f"argument --output/-o: invalid choice: {fmt!r} (choose from 'table', 'json')")
