@@ -74,12 +74,18 @@ def _secret_pairs(obj: Any, patterns: tuple[str, ...]) -> set[tuple[str, str]]:
     """``(name, value)`` of every secret variable in ``obj``'s mappings (dataclasses, dicts, lists, nested)."""
     found: set[tuple[str, str]] = set()
     secret = _secret_names(patterns)
+    plain: set[str] = set()  # names seen not to be secret: a dict's other keys are found by a set difference
     stack = [obj]
     while stack:
         item = stack.pop()
         if _is_mapping(item):
-            found.update((k, v) for k, v in item.items() if isinstance(k, str) and isinstance(v, str) and v
-                         and k not in _PATHS_NOT_VALUES and secret(k))
+            for k in (item.keys() - plain if type(item) is dict else item.keys()):
+                if not isinstance(k, str) or k in _PATHS_NOT_VALUES:
+                    continue
+                if not secret(k):
+                    plain.add(k)
+                elif isinstance(item[k], str) and item[k]:
+                    found.add((k, item[k]))
         stack.extend(c for c in _children(item) if type(c) not in _LEAVES)
     return found
 
@@ -92,9 +98,13 @@ def secret_values(obj: Any, patterns: Iterable[str] = ()) -> set[str]:
 def redact(obj: Any, patterns: Iterable[str] = (), values: Iterable[str] = ()) -> Any:
     """``obj`` with every secret variable's value masked, and those values (plus ``values``) masked in all
     its strings. Dataclasses are copied with :func:`dataclasses.replace`, mappings become dicts, lists and
-    tuples keep their type; ``obj`` itself is not changed."""
+    tuples keep their type; ``obj`` itself is not changed. With nothing to mask (no secret variable, no
+    ``values``), ``obj`` itself is returned: a plan of 32,768 ranks is not copied to change nothing."""
     patterns = tuple(patterns)
     pairs = _secret_pairs(obj, patterns)
+    values = [v for v in values if v]
+    if not pairs and not values:
+        return obj  # (walk() would only copy: it masks the values of the pairs and the strings holding them)
     hidden = sorted({v for v in (*(v for _, v in pairs), *values) if len(v) >= _MIN_SEARCHED}, key=len, reverse=True)
     # NAME=value (as a shell or -x would write it), whatever the value's length
     named = [rf"(?<![A-Za-z0-9_]){re.escape(k)}=(?:{re.escape(shlex.quote(v))}|{re.escape(v)})(?![^\s;'\"])"
