@@ -1,0 +1,96 @@
+"""Rank crash to the next attempt's first step, on 2 local nodes, and where the time goes.
+
+A 2-node x 1-slot ZeRO-2 job of examples/train_gpt.py (tiny model, a checkpoint every 10 steps)
+under ``orch run`` with ``restart: {max_restarts: 1, backoff_seconds: 0}``; rank 1 raises after
+step 25 on the first attempt (``--fail-at-step``). From the job's store, per round (seconds after
+the failing rank's exit, as the controller recorded it):
+
+* ``failed``: the job is FAILED;
+* ``stopped``: attempt 1's teardown is over (every process gone; ``stopped_at``);
+* ``attempt2``: attempt 2 is created (the restart's plan, a universal conversion if any);
+* ``running``: every node of attempt 2 started its ranks;
+* ``first step``: the first step any rank of attempt 2 reported.
+
+    python bench/recovery_timeline.py --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sqlite3
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+TINY = ["--n-layer", "1", "--d-model", "32", "--n-head", "2", "--seq-len", "32", "--corpus-bytes", "200000",
+        "--log-interval", "0"]
+
+
+def _spec(work: Path) -> dict:
+    hostfile = work / "hostfile"
+    hostfile.write_text("node-0 slots=1\nnode-1 slots=1\n")
+    return {"name": "crash", "hostfile": str(hostfile), "workdir": str(EXAMPLES), "entrypoint": "train_gpt.py",
+            "args": ["--steps", "40", "--checkpoint-interval", "10", "--fail-at-step", "25", "--fail-rank", "1",
+                     *TINY],
+            "deepspeed_config": str(EXAMPLES / "ds_zero2.json"), "checkpoint_dir": str(work / "ckpt"),
+            "env": {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}, "stop_grace_seconds": 5,
+            "restart": {"max_restarts": 1, "backoff_seconds": 0}}
+
+
+def one_round(work: Path) -> dict[str, float]:
+    """Run the job once; the milestones after the failing rank's exit (seconds)."""
+    work.mkdir(parents=True)
+    spec = work / "job.yaml"
+    spec.write_text(yaml.safe_dump(_spec(work)))
+    env = {**os.environ, "ORCH_STATE_DIR": str(work / "state")}
+    r = subprocess.run([sys.executable, "-m", "orchestrator", "run", str(spec)], env=env, capture_output=True,
+                       text=True, timeout=600)
+    if r.returncode != 0:
+        raise RuntimeError(f"orch run exited {r.returncode}: {r.stdout[-2000:]} {r.stderr[-2000:]}")
+    db = sqlite3.connect(work / "state" / "orch.db")
+    (job_id,) = db.execute("SELECT id FROM jobs").fetchone()
+    crash = next(at for at, data in db.execute("SELECT at, data FROM events WHERE job_id=? AND attempt=1 AND "
+                                               "kind='rank_exit' ORDER BY id", (job_id,))
+                 if json.loads(data)["returncode"] != 0)
+    failed = next(at for at, data in db.execute("SELECT at, data FROM events WHERE job_id=? AND attempt=1 AND "
+                                                "kind='state' ORDER BY id", (job_id,))
+                  if json.loads(data).get("to") == "FAILED")
+    (stopped,) = db.execute("SELECT stopped_at FROM attempts WHERE job_id=? AND number=1", (job_id,)).fetchone()
+    created, running = db.execute("SELECT created_at, running_at FROM attempts WHERE job_id=? AND number=2",
+                                  (job_id,)).fetchone()
+    (first,) = db.execute("SELECT MIN(at) FROM progress WHERE job_id=? AND attempt=2", (job_id,)).fetchone()
+    kinds = [k for (k,) in db.execute("SELECT kind FROM events WHERE job_id=? AND attempt=2", (job_id,))]
+    return {"failed": failed - crash, "stopped": stopped - crash, "attempt2": created - crash,
+            "running": running - crash, "first step": first - crash,
+            "converted": float("checkpoint_converted" in kinds)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="orch-recovery-") as tmp:
+        for i in range(args.rounds):
+            t = time.monotonic()
+            rows.append(one_round(Path(tmp) / f"r{i}"))
+            print(f"round {i + 1}: " + ", ".join(f"{k} {v:.2f}" for k, v in rows[-1].items())
+                  + f" ({time.monotonic() - t:.0f} s)", flush=True)
+    print("| milestone (s after the crash) | min | median | max |\n|---|---|---|---|")
+    for key in rows[0]:
+        values = [r[key] for r in rows]
+        print(f"| {key} | {min(values):.2f} | {statistics.median(values):.2f} | {max(values):.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
