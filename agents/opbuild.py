@@ -175,6 +175,10 @@ def _run(python: str, env: Mapping[str, str], ops: list[dict[str, Any]], cwd: st
         _kill(proc)
         out, _ = proc.communicate()
         why = f"the build did not finish within {timeout:.0f} s and was stopped"
+        held = sorted(lock for lock in locks_before if os.path.exists(lock))
+        if held:  # torch's FileBaton waits for another build's lock with no deadline
+            why += (f": it waited on the build lock {held[0]}, which did not go (another build of the op that "
+                    "does not end, or a lock a killed build left: delete it if no build runs)")
     if proc.returncode < 0:  # killed (past its time, or the preflight was called off) midway
         for lock in _locks(env, ops) - locks_before:  # ours: a lock left by a killed build hangs every rank
             try:
