@@ -55,6 +55,8 @@ SECTIONS = (
             what="orch vs DeepSpeed's per-node launcher."),
     Section("recovery_timeline", "Fault to the next attempt's first step", ("--rounds", "5"), ("--rounds", "1"),
             what="a rank crash, with the restart policy."),
+    Section("universal_where", "Where the universal conversion is cheapest", ("--rounds", "5"), ("--rounds", "1"),
+            what="ds_to_universal in a fresh Python (the controller) vs forked from a warm one (a node agent)."),
     Section("fault_matrix", "Detection and recovery per fault, ssh hosts", ("--rounds", "1"),
             ("--faults", "rank_crash"), True, what="the fault matrix of docs/recovery.md."),
     Section("plan_scale", "Planning and listing at scale", (), ("--quick",),
