@@ -86,7 +86,9 @@ class PreflightRound:
         spec: the job's spec (which checks apply, ``preflight`` options).
         plan: the attempt's plan (nodes, checkpoint dir, master address and port).
         python: the ranks' interpreter (absolute where the controller could resolve it).
-        timeout_s: seconds the whole preflight may take before nodes still checking fail it.
+        timeout_s: seconds the whole preflight may take before nodes still checking fail it, plus, for a
+            DeepSpeed job, the ops check's build deadline (the spec's ``startup_timeout``, else
+            :data:`OPS_TIMEOUT_S`), which each node also applies to its own build.
         heartbeat_s, lease_s: passed to the agents (heartbeats start with the preflight; an
             agent exits when the controller is silent for ``lease_s``).
         nonce: written into the shared-storage tokens (random by default).
