@@ -58,11 +58,19 @@ def _is_mapping(obj: Any) -> bool:
     return type(obj) is dict or isinstance(obj, Mapping)  # dict first: the ABC's check is slower
 
 
+#: a dataclass's field names to look into, per class
+_FIELDS: dict[type, tuple[str, ...]] = {}
+
+
 def _children(obj: Any) -> Iterable[Any]:
     if type(obj) in _LEAVES:
         return ()
+    names = _FIELDS.get(type(obj))
+    if names is not None:
+        return [getattr(obj, name) for name in names]
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return [getattr(obj, f.name) for f in dataclasses.fields(obj) if f.name not in _PATHS_NOT_VALUES]
+        names = _FIELDS[type(obj)] = tuple(f.name for f in dataclasses.fields(obj) if f.name not in _PATHS_NOT_VALUES)
+        return [getattr(obj, name) for name in names]
     if _is_mapping(obj):
         return [v for k, v in obj.items() if k not in _PATHS_NOT_VALUES]
     if isinstance(obj, (list, tuple, set, frozenset)):
@@ -78,6 +86,9 @@ def _secret_pairs(obj: Any, patterns: tuple[str, ...]) -> set[tuple[str, str]]:
     stack = [obj]
     while stack:
         item = stack.pop()
+        if type(item) is tuple or type(item) is list:  # (an argv: skipped in one pass, without _children)
+            stack.extend(c for c in item if type(c) not in _LEAVES)
+            continue
         if _is_mapping(item):
             for k in (item.keys() - plain if type(item) is dict else item.keys()):
                 if not isinstance(k, str) or k in _PATHS_NOT_VALUES:
