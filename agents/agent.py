@@ -105,7 +105,7 @@ class Agent:
         self._outcome_written = False
         self._cgroup: AttemptCgroup | None = None
         self._no_cgroup = ""  # why the ranks have no cgroup (agents.cgroups)
-        self.fast_start = str(start.get("fast_start") or "off")  # the spec's: ranks forked from a template (agents.forkserver)
+        self.fast_start = str(start.get("fast_start") or "off")  # ranks forked from a template (agents.forkserver)
         self._launcher_name = start.get("launcher")
 
     # -- steps ------------------------------------------------------------------------------
@@ -268,16 +268,18 @@ class Agent:
 
     def _fork_server(self, envs: list[dict[str, str]]) -> "ForkServer | None | bool":
         """The spec's ``fast_start`` on this node (:mod:`agents.forkserver`): a started template to fork the
-        ranks from, None to exec them (``auto`` says why once, as a warning), or False: ``on`` cannot fork
-        them (the start failed, with the reason)."""
-        server, why = open_server(self.fast_start, [r["argv"] for r in self.node["ranks"]], envs, self.node["workdir"],
-                                  os.path.join(self.node["log_dir"], f"forkserver-node{self.node['node_rank']}.log"),
-                                  launcher=self._launcher_name, native=bool(self.native), cgroup=self._cgroup)
+        ranks from, None to exec them (``auto`` says why as a warning: node 0 alone where the reason is the
+        job's), or False: ``on`` cannot fork them (the start failed, with the reason)."""
+        server, why, job_wide = open_server(
+            self.fast_start, [r["argv"] for r in self.node["ranks"]], envs, self.node["workdir"],
+            os.path.join(self.node["log_dir"], f"forkserver-node{self.node['node_rank']}.log"),
+            launcher=self._launcher_name, native=bool(self.native), cgroup=self._cgroup)
         if why and self.fast_start == "on":
             return self._spawn_failed(f"fast_start on: the ranks cannot be forked on {self.node['host']}: {why}")
-        if why:
-            self.writer.send({"type": "warning", "message": f"fast_start: the ranks on {self.node['host']} are "
-                              f"started as new processes, not forked: {why}"})
+        if why and not (job_wide and self.node["node_rank"] != 0):
+            where = "" if job_wide else f" on {self.node['host']}"
+            self.writer.send({"type": "warning", "message": f"fast_start: the ranks{where} are started as new "
+                              f"processes, not forked: {why}"})
         return server
 
     def _start_native(self, choice: network.Choice) -> bool:

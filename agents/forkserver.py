@@ -33,8 +33,8 @@ from typing import Any, Callable, Mapping, Sequence
 from . import ranks as _ranks
 from .ranks import RankProcess
 
-__all__ = ["ForkServer", "ForkedRank", "TemplatePlan", "plan_template", "open_server", "IMPORT_TIME_VARS",
-           "EXEC_LAUNCHERS", "READY_TIMEOUT_S"]
+__all__ = ["ForkServer", "ForkedRank", "NodeReason", "TemplatePlan", "plan_template", "open_server",
+           "IMPORT_TIME_VARS", "EXEC_LAUNCHERS", "READY_TIMEOUT_S"]
 
 #: variables read when torch, DeepSpeed or their libraries are imported (or when the interpreter or
 #: the dynamic loader start): one that differs between a node's ranks keeps them exec'd
@@ -58,6 +58,11 @@ _BOOT = ("import sys;p=sys.argv[1];exec(compile(open(p,'rb').read(),p,'exec'),"
 _PYTHON = re.compile(r"^python[0-9.]*$")
 _FLAGS = set("bBdEIOqsSuv")  # one-letter interpreter options without a value, as CPython 3.8-3.13 take them
 _PR_GET_CHILD_SUBREAPER = 37
+
+
+class NodeReason(ValueError):
+    """Why one node's ranks cannot be forked, where another node's might be (its files, its ranks'
+    environment); a plain ValueError is the job's reason (its command line, launcher or launch mode)."""
 
 
 @dataclass(frozen=True)
@@ -103,7 +108,7 @@ def _parse(argv: Sequence[str], cwd: str) -> tuple[tuple[str, ...], dict[str, An
     if i >= len(argv) or argv[i] == "-":
         raise ValueError("the ranks' Python runs no script file or module")
     if not os.path.isfile(os.path.join(cwd, argv[i])):
-        raise ValueError(f"the ranks' entrypoint {argv[i]!r} is not a file in {cwd}")
+        raise NodeReason(f"the ranks' entrypoint {argv[i]!r} is not a file in {cwd}")
     return tuple(options), {"kind": "script", "target": os.path.join(cwd, argv[i]), "argv0": argv[i],
                             "args": list(argv[i + 1:])}
 
@@ -139,7 +144,8 @@ def plan_template(argvs: Sequence[Sequence[str]], envs: Sequence[Mapping[str, st
 
     Raises:
         ValueError: the ranks cannot be forked from one template; the message says why (the line
-            ``fast_start: auto`` logs, and ``on`` fails with).
+            ``fast_start: auto`` logs, and ``on`` fails with); a :class:`NodeReason` where the reason is
+            this node's own.
     """
     if launcher in EXEC_LAUNCHERS:
         raise ValueError(f"the {launcher} launcher's ranks are started by its own tool's process model")
@@ -154,7 +160,7 @@ def plan_template(argvs: Sequence[Sequence[str]], envs: Sequence[Mapping[str, st
     common = {k: v for k, v in envs[0].items() if all(e.get(k) == v for e in envs[1:])}
     for var in sorted({k for e in envs for k in e} - set(common)):
         if var in IMPORT_TIME_VARS or var.startswith(_IMPORT_TIME_PREFIXES):
-            raise ValueError(f"{var} differs between the node's ranks, and it is read when Python, torch or "
+            raise NodeReason(f"{var} differs between the node's ranks, and it is read when Python, torch or "
                              "DeepSpeed start")
     room = (max(_block(a) for a in argvs) + 1, max(_block(f"{k}={v}" for k, v in e.items()) for e in envs) + 1)
     return TemplatePlan(argvs[0][0], parsed[0][0], common, cwd, tuple(p[1] for p in parsed), room)
@@ -380,7 +386,7 @@ class ForkedRank(RankProcess):
 
 def open_server(mode: str, argvs: Sequence[Sequence[str]], envs: Sequence[Mapping[str, str]], cwd: str,
                 log_path: str, *, launcher: str | None = None, native: bool = False,
-                cgroup: Any = None) -> tuple[ForkServer | None, str | None]:
+                cgroup: Any = None) -> tuple[ForkServer | None, str | None, bool]:
     """Decide how one node's ranks start, and start its template when they are to be forked.
 
     Args:
@@ -392,21 +398,22 @@ def open_server(mode: str, argvs: Sequence[Sequence[str]], envs: Sequence[Mappin
         cgroup: the attempt's cgroup on this node, or None.
 
     Returns:
-        ``(server, None)``: fork the ranks from ``server``; ``(None, None)``: exec them (mode off);
-        ``(None, why)``: exec them (auto: ``why`` is the line to log), or, with mode ``on``, fail the start
-        with ``why``.
+        ``(server, None, _)``: fork the ranks from ``server``; ``(None, None, _)``: exec them (mode off);
+        ``(None, why, job_wide)``: exec them (auto: ``why`` is the line to log), or, with mode ``on``, fail
+        the start with ``why``; ``job_wide``: the reason is the job's (its command line, launcher or
+        launch mode: every node finds the same), not this node's.
     """
     if mode not in ("auto", "on"):
-        return None, None
+        return None, None, False
     try:
         if native:
             raise ValueError("launch_mode native: the real launcher starts the ranks")
         plan = plan_template(argvs, envs, cwd, launcher)
-        if not _is_subreaper():
-            raise ValueError("the agent is not a child subreaper (PR_SET_CHILD_SUBREAPER), so it could not reap "
-                             "a forked rank")
     except ValueError as err:
-        return None, str(err)
+        return None, str(err), not isinstance(err, NodeReason)
+    if not _is_subreaper():
+        return None, ("the agent is not a child subreaper (PR_SET_CHILD_SUBREAPER), so it could not reap a forked "
+                      "rank"), False
     server = ForkServer(plan, log_path, cgroup)
     why = server.start()
-    return (server, None) if why is None else (None, why)
+    return (server, None, False) if why is None else (None, why, False)

@@ -31,11 +31,13 @@ TINY = ["--n-layer", "1", "--d-model", "32", "--n-head", "2", "--seq-len", "32",
 PER_RUN = {"MASTER_PORT", "FORKPROBE_OUT"}
 
 
-def _probe_run(orch, write_spec, hostfile, out: Path, mode: str, **env: str) -> tuple[dict[int, dict], str]:
-    """Run the probe on 2 nodes (2 ranks on the first: two forks from one template); its reports by rank."""
+def _probe_run(orch, write_spec, hostfile, out: Path, mode: str, module: bool = False,
+               **env: str) -> tuple[dict[int, dict], str]:
+    """Run the probe on 2 nodes (2 ranks on the first: two forks from one template), as a script or with
+    ``python -m``; its reports by rank."""
     spec = write_spec(name="probe", hostfile=str(hostfile("node-0 slots=2\nnode-1 slots=1\n")),
-                      workdir=str(ROOT), entrypoint="tests/scripts/forkprobe.py", args=["--flag", "a b"],
-                      fast_start=mode, stop_grace_seconds=2,
+                      workdir=str(ROOT), module=module,
+                      entrypoint="tests.scripts.forkprobe" if module else "tests/scripts/forkprobe.py", args=["--flag", "a b"], fast_start=mode, stop_grace_seconds=2,
                       env={"FORKPROBE_OUT": str(out), "DS_ACCELERATOR": "cpu", **env})
     r = orch("run", str(spec), timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -67,9 +69,10 @@ def _seen(report: dict, job_id: str) -> dict:
     return {**keep, "env": env, "proc_environ": proc_env}
 
 
-def test_a_forked_rank_sees_what_an_exec_d_rank_sees(orch, write_spec, hostfile, tmp_path) -> None:
-    forked, fork_job = _probe_run(orch, write_spec, hostfile, tmp_path / "on", "on")
-    execd, exec_job = _probe_run(orch, write_spec, hostfile, tmp_path / "off", "off")
+@pytest.mark.parametrize("module", [False, True], ids=["script", "module"])
+def test_a_forked_rank_sees_what_an_exec_d_rank_sees(orch, write_spec, hostfile, tmp_path, module) -> None:
+    forked, fork_job = _probe_run(orch, write_spec, hostfile, tmp_path / "on", "on", module)
+    execd, exec_job = _probe_run(orch, write_spec, hostfile, tmp_path / "off", "off", module)
     assert all(r["preloaded"] for r in forked.values()) and not any(r["preloaded"] for r in execd.values())
     for rank in range(3):
         f, e = _seen(forked[rank], fork_job), _seen(execd[rank], exec_job)
@@ -79,8 +82,10 @@ def test_a_forked_rank_sees_what_an_exec_d_rank_sees(orch, write_spec, hostfile,
         # spot checks of what the comparison covers, so that an empty report cannot pass
         assert f["argv"] == [PROBE, f"--local_rank={forked[rank]['env']['LOCAL_RANK']}",
                              "--flag", "a b"]
-        assert f["main"]["name"] == "__main__" and f["main"]["file"] == PROBE and f["main"]["spec"] == "None"
-        assert f["threads"] == [1, 1] and f["cwd"] == str(ROOT) and f["path"][0] == str(SCRIPTS)
+        assert f["main"]["name"] == "__main__" and f["main"]["file"] == PROBE
+        assert f["main"]["spec"] == (["tests.scripts.forkprobe", PROBE, "SourceFileLoader", "tests.scripts"]
+                                     if module else None)
+        assert f["threads"] == [1, 1] and f["cwd"] == str(ROOT) and f["path"][0] == str(ROOT if module else SCRIPTS)
         assert f["proc_cmdline"] == forked[rank]["orig_argv"] and f["proc_environ"] == f["env"]
         assert f["signals"][str(int(signal.SIGTERM))] == 0 and f["signals"][str(int(signal.SIGINT))] == \
             "default_int_handler"
@@ -168,9 +173,9 @@ def test_auto_falls_back_to_exec_for_a_non_python_entrypoint_and_says_why(orch, 
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     (job,) = orch.json("list")
     lines = _fallbacks(orch, job["id"])
-    assert len(lines) == 2, lines  # one line per node
-    assert all("fast_start: the ranks on node-" in m and "are started as new processes, not forked" in m
-               and "is not Python (no_python)" in m for m in lines), lines
+    assert len(lines) == 1, lines  # the job's reason: one line, not one per node
+    assert lines[0].startswith("fast_start: the ranks are started as new processes, not forked: the ranks' "
+                               "program") and "is not Python (no_python)" in lines[0], lines
 
 
 def test_on_refuses_where_auto_would_fall_back(orch, write_spec, hostfile, tmp_path) -> None:

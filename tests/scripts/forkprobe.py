@@ -16,11 +16,16 @@ _PRELOADED = "torch" in sys.modules  # before anything here imports it
 _THREADS = (threading.active_count(), len(os.listdir("/proc/self/task")))
 
 
+def _spec(spec: object) -> object:
+    return None if spec is None else [spec.name, spec.origin, type(spec.loader).__name__, spec.parent]
+
+
 def _main_attrs() -> dict:
     m = sys.modules["__main__"]
-    return {"name": __name__, "file": m.__dict__.get("__file__"), "spec": repr(m.__dict__.get("__spec__")),
+    return {"name": __name__, "file": m.__dict__.get("__file__"), "spec": _spec(m.__dict__.get("__spec__")),
             "package": m.__dict__.get("__package__"), "cached": m.__dict__.get("__cached__"),
-            "loader": type(m.__dict__.get("__loader__")).__name__, "builtins": type(m.__dict__.get("__builtins__")).__name__,
+            "loader": type(m.__dict__.get("__loader__")).__name__,
+            "builtins": type(m.__dict__.get("__builtins__")).__name__,
             "same_module": m.__dict__ is globals(), "keys": sorted(k for k in m.__dict__ if k.startswith("__"))}
 
 
