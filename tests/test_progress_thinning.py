@@ -64,6 +64,27 @@ def test_thinning_runs_while_points_are_added(tmp_path) -> None:
     assert summary["step"] == STEPS - 1 and summary["ranks"] == {str(r): STEPS - 1 for r in range(RANKS)}
 
 
+def test_an_attempt_keeping_many_rows_is_thinned_a_part_of_its_ranks_at_a_time(tmp_path, monkeypatch) -> None:
+    from orchestrator.store import thinning
+    monkeypatch.setattr(thinning, "PASS_ROWS", 1500)  # 4 ranks keep ~6,000 rows: passes over 1 or 2 ranks each
+    seen: list[int] = []
+    real = thinning.ProgressThinning._thin
+
+    def spy(self, db, job_id, attempt, parts=1, part=0):
+        seen.append(parts)
+        return real(self, db, job_id, attempt, parts, part)
+    monkeypatch.setattr(thinning.ProgressThinning, "_thin", spy)
+    store = Store(tmp_path / "orch.db")
+    _fill(store)
+    assert max(seen) >= 2  # some passes covered a part of the ranks only
+    rows = store.progress("j-1", 1)
+    per_rank = {r: sum(1 for p in rows if p["rank"] == r) for r in range(RANKS)}
+    # every rank was thinned in turn: at most what it keeps, and two turns' worth of new points
+    assert all(n <= 3 * rank_bound(STEPS) + 2000 for n in per_rank.values()), per_rank
+    assert len(rows) <= 2 * RANKS * rank_bound(STEPS) + 2000
+    assert {r: p["step"] for r, p in store.latest_progress("j-1", 1).items()} == {r: STEPS - 1 for r in range(RANKS)}
+
+
 def test_a_short_job_loses_nothing(tmp_path) -> None:
     store = Store(tmp_path / "orch.db")
     store.create_job("j-2", "t", {})
