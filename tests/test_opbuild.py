@@ -133,6 +133,8 @@ def test_the_preflight_builds_the_op_once_and_the_ranks_only_load_it(orch, write
     statuses = [o["status"] for c in checks.values() for o in c["ops"]]
     assert len(statuses) == 2 and "built" in statuses and set(statuses) <= {"built", "cached"}, checks
     assert all(c["dir"] == str(ext) for c in checks.values())
+    print(f"\n[ops] preflight {pf['seconds']:.1f} s; per node: "
+          + ", ".join(f"{h} {c['ops'][0]['status']} {c['ops'][0]['seconds']:.1f} s" for h, c in checks.items()))
     assert [op["name"] for op in pf["ops"]] == ["deepspeed_shm_comm"]
     assert sorted(os.listdir(ext)) == ["deepspeed_shm_comm"]  # one build, where the ranks look
     assert (ext / "deepspeed_shm_comm" / "deepspeed_shm_comm.so").is_file()
