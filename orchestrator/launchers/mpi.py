@@ -175,6 +175,8 @@ class MPILauncher:
         master = {"MASTER_ADDR": ctx.master_addr, "MASTER_PORT": str(ctx.master_port),
                   "WORLD_SIZE": str(size), "LOCAL_SIZE": str(local_size)}
         script = ctx.once("script_argv", lambda: tuple(script_argv(ctx)))
+        app = {"OMPI_COMMAND": posixpath.basename(script[0]), "OMPI_ARGV": " ".join(script[1:]),
+               "OMPI_APP_CTX_NUM_PROCS": str(size), "OMPI_NUM_APP_CTX": "1", "OMPI_FIRST_RANKS": "0"}
         out = []
         for local in range(local_size):
             rank = base + local
@@ -185,8 +187,7 @@ class MPILauncher:
                     env["I_MPI_PIN"] = "0"
             env.update(self._tool_env(host, rank, local, size, local_size))
             if self.name == "openmpi":  # the app context: one, the script's command line
-                env.update({"OMPI_COMMAND": posixpath.basename(script[0]), "OMPI_ARGV": " ".join(script[1:]),
-                            "OMPI_APP_CTX_NUM_PROCS": str(size), "OMPI_NUM_APP_CTX": "1", "OMPI_FIRST_RANKS": "0"})
+                env.update(app)
             if self.name in ("openmpi", "mvapich"):  # mpi_discovery
                 env.update(discovered_env(ctx, rank, local))
             else:  # launcher_helper.py (mpich) or -env (impi)
