@@ -56,6 +56,8 @@ def test_a_failed_rank_is_restarted_and_the_job_succeeds(orch, write_spec, hostf
     (ev,) = orch.events(job["id"], "restart_scheduled")
     assert ev.data == {"restart": 1, "max_restarts": 2, "in_seconds": 0.2, "exclude_hosts": [],
                        "cause_kind": "rank_exit"}
+    # every rank's exit was known when attempt 1 failed: its teardown waited for no silent node
+    assert orch.events(job["id"], "silence_wait") == []
     assert_no_leftovers(job["id"])
 
 
