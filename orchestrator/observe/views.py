@@ -32,28 +32,34 @@ _LOSS = re.compile(r"\bloss=([-+]?(?:\d+\.?\d*(?:[eE][-+]?\d+)?|nan|inf))")
 
 
 def job_summary(job: JobRecord, attempt: AttemptRecord | None = None, progress: dict[str, Any] | None = None,
-                now: float | None = None) -> dict[str, Any]:
+                now: float | None = None, world: tuple[Any, list[str]] | None = None) -> dict[str, Any]:
     """One line's worth of a job: id, name, state, attempt, restarts, cause, times, world, and its current
     attempt's progress (``step``, ``loss``, ``steps_per_second``, ``eta_seconds``, ... from ``progress``, the
-    attempt's progress row: :func:`.progress.progress_fields`; ``now``: the clock, default the time now)."""
+    attempt's progress row: :func:`.progress.progress_fields`; ``now``: the clock, default the time now).
+    ``world``: the attempt's ``(world_size, hosts)`` (``Store.attempt_worlds``) in place of ``attempt``."""
     d = job.to_dict()
     d["restarts"] = max(0, job.attempt - 1)
     d["cause_message"] = (job.cause or {}).get("message")
     if attempt is not None:
         d["world_size"] = attempt.plan.get("world_size")
         d["nodes"] = [n["host"] for n in attempt.plan.get("nodes", [])]
+    elif world is not None:
+        d["world_size"], d["nodes"] = world[0], list(world[1])
     d.update(progress_fields(progress, job.state == JobState.RUNNING, time.time() if now is None else now))
     return d
 
 
 def job_list(store: Store, limit: int) -> list[dict[str, Any]]:
     """The newest ``limit`` jobs' summaries (:func:`job_summary`), newest first, with their progress: the
-    page's progress rows are read in one query (a few for a page over 400 jobs)."""
+    page's progress rows and its attempts' world sizes and hosts are read in one query each (a few for a page
+    over 400 jobs), not each attempt's whole plan."""
     jobs = store.list_jobs(limit)
-    progress = store.progress_summaries([(j.id, j.attempt) for j in jobs if j.attempt])
+    keys = [(j.id, j.attempt) for j in jobs if j.attempt]
+    progress = store.progress_summaries(keys)
+    worlds = store.attempt_worlds(keys)
     now = store.clock()  # the clock the progress rows were recorded on (the controller's)
-    return [job_summary(j, store.get_attempt(j.id, j.attempt) if j.attempt else None,
-                        progress.get((j.id, j.attempt)), now) for j in jobs]
+    return [job_summary(j, None, progress.get((j.id, j.attempt)), now, worlds.get((j.id, j.attempt)) if j.attempt
+                        else None) for j in jobs]
 
 
 def log_path(plan: dict, global_rank: int) -> Path:

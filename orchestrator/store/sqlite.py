@@ -412,6 +412,24 @@ class Store(CheckpointLedger, ProgressSummaries, ProgressThinning):
                        (now, job_id, number))
             self._event(db, job_id, number, "stopped", {}, now)
 
+    def attempt_worlds(self, keys: list[tuple[str, int]]) -> dict[tuple[str, int], tuple[Any, list[str]]]:
+        """``{(job id, attempt): (its plan's world_size, its nodes' hosts in node order)}`` for the attempts in
+        ``keys``, read by SQLite's JSON functions: the job list shows no more of a plan, and a plan of 4,096 x 8 is
+        ~32 MiB of JSON (0.5 s to load in Python). One query per 400 attempts."""
+        out: dict[tuple[str, int], tuple[Any, list[str]]] = {}
+        wanted = list(dict.fromkeys(keys))
+        for i in range(0, len(wanted), 400):
+            chunk = wanted[i:i + 400]
+            where = " OR ".join(["(job_id = ? AND number = ?)"] * len(chunk))
+            with self._lock:
+                rows = self._db.execute(
+                    "SELECT job_id, number, json_extract(plan, '$.world_size') AS world, (SELECT json_group_array(h) "
+                    "FROM (SELECT json_extract(value, '$.host') AS h FROM json_each(plan, '$.nodes') ORDER BY key)) "
+                    f"AS hosts FROM attempts WHERE {where}", [v for key in chunk for v in key]).fetchall()
+            for r in rows:
+                out[(r["job_id"], r["number"])] = (r["world"], json.loads(r["hosts"]))
+        return out
+
     def get_attempt(self, job_id: str, number: int) -> AttemptRecord:
         """Return one attempt.
 
