@@ -128,6 +128,8 @@ def fill_store(path: Path, jobs: int) -> None:
         db.executemany("INSERT INTO attempts (job_id, number, state, plan, created_at, running_at, ended_at) "
                        "VALUES (?, 1, 'SUCCEEDED', ?, ?, ?, ?)",
                        ((f"bench-{i:06d}", plan, t0 + i, t0 + i + 1, t0 + i + 60) for i in range(jobs)))
+        db.executemany("INSERT INTO attempt_worlds (job_id, number, world_size, hosts) VALUES (?, 1, 1, '[\"a\"]')",
+                       ((f"bench-{i:06d}",) for i in range(jobs)))
         db.executemany("INSERT INTO progress_summary (job_id, attempt, data) VALUES (?, 1, ?)",
                        ((f"bench-{i:06d}", json.dumps({"ranks": {"0": 100}, "step": 100, "at": t0 + i + 60,
                                                        "samples": [[t0 + i + 30, 50], [t0 + i + 60, 100]]}))

@@ -63,6 +63,14 @@ CREATE TABLE IF NOT EXISTS events (
     kind TEXT NOT NULL,
     data TEXT NOT NULL
 );
+-- what the job list shows of an attempt's plan (attempt_worlds), written with the attempt: hosts is a JSON list
+CREATE TABLE IF NOT EXISTS attempt_worlds (
+    job_id TEXT NOT NULL,
+    number INTEGER NOT NULL,
+    world_size INTEGER,
+    hosts TEXT NOT NULL,
+    PRIMARY KEY (job_id, number)
+);
 -- the job list's order (list_jobs): a page reads its rows only, not every job (100k jobs: 0.5 s a page without)
 CREATE INDEX IF NOT EXISTS jobs_newest ON jobs(created_at DESC, id);
 CREATE INDEX IF NOT EXISTS events_job ON events(job_id, id);
@@ -399,6 +407,8 @@ class Store(CheckpointLedger, ProgressSummaries, ProgressThinning):
                        " VALUES (?, ?, ?, ?, ?, ?)",
                        (job_id, number, row["state"], _dump(plan), resume_tag, now))
             db.execute("UPDATE jobs SET attempt = ?, updated_at = ? WHERE id = ?", (number, now, job_id))
+            db.execute("INSERT OR REPLACE INTO attempt_worlds (job_id, number, world_size, hosts) VALUES (?, ?, ?, ?)",
+                       (job_id, number, plan.get("world_size"), json.dumps([n["host"] for n in plan.get("nodes", [])])))
             self._event(db, job_id, number, "attempt",
                         {"number": number, "resume_tag": resume_tag,
                          "nodes": [n["host"] for n in plan.get("nodes", [])]}, now)
@@ -414,20 +424,22 @@ class Store(CheckpointLedger, ProgressSummaries, ProgressThinning):
 
     def attempt_worlds(self, keys: list[tuple[str, int]]) -> dict[tuple[str, int], tuple[Any, list[str]]]:
         """``{(job id, attempt): (its plan's world_size, its nodes' hosts in node order)}`` for the attempts in
-        ``keys``, read by SQLite's JSON functions: the job list shows no more of a plan, and a plan of 4,096 x 8 is
-        ~32 MiB of JSON (0.5 s to load in Python). One query per 400 attempts."""
+        ``keys``: the job list shows no more of a plan, and a plan of 4,096 x 8 is ~32 MiB of JSON (0.5 s to load).
+        Read from the ``attempt_worlds`` rows :meth:`add_attempt` writes; an attempt of an older store without
+        one, from its plan by SQLite's JSON functions. One query per 400 attempts."""
         out: dict[tuple[str, int], tuple[Any, list[str]]] = {}
         wanted = list(dict.fromkeys(keys))
-        for i in range(0, len(wanted), 400):
-            chunk = wanted[i:i + 400]
-            where = " OR ".join(["(job_id = ? AND number = ?)"] * len(chunk))
-            with self._lock:
-                rows = self._db.execute(
-                    "SELECT job_id, number, json_extract(plan, '$.world_size') AS world, (SELECT json_group_array(h) "
-                    "FROM (SELECT json_extract(value, '$.host') AS h FROM json_each(plan, '$.nodes') ORDER BY key)) "
-                    f"AS hosts FROM attempts WHERE {where}", [v for key in chunk for v in key]).fetchall()
-            for r in rows:
-                out[(r["job_id"], r["number"])] = (r["world"], json.loads(r["hosts"]))
+        older = ("json_extract(plan, '$.world_size') AS world_size, (SELECT json_group_array(h) FROM (SELECT "
+                 "json_extract(value, '$.host') AS h FROM json_each(plan, '$.nodes') ORDER BY key)) AS hosts")
+        for table, columns in (("attempt_worlds", "world_size, hosts"), ("attempts", older)):
+            wanted = [key for key in wanted if key not in out]
+            for i in range(0, len(wanted), 400):
+                chunk = wanted[i:i + 400]
+                where = " OR ".join(["(job_id = ? AND number = ?)"] * len(chunk))
+                with self._lock:
+                    rows = self._db.execute(f"SELECT job_id, number, {columns} FROM {table} WHERE {where}",
+                                            [v for key in chunk for v in key]).fetchall()
+                out.update({(r["job_id"], r["number"]): (r["world_size"], json.loads(r["hosts"])) for r in rows})
         return out
 
     def get_attempt(self, job_id: str, number: int) -> AttemptRecord:
