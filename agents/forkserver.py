@@ -113,7 +113,8 @@ def _parse(argv: Sequence[str], cwd: str) -> tuple[tuple[str, ...], dict[str, An
                             "args": list(argv[i + 1:])}
 
 
-_IMPORTS = re.compile(rb"^[ \t]*(?:import|from)[ \t]+(?:torch|deepspeed|transformers|accelerate)\b", re.M)
+_IMPORTS = re.compile(rb"^[ \t]*(?:import[ \t]+[\w., \t]*?|from[ \t]+)\b(?:torch|deepspeed|transformers|accelerate)\b",
+                      re.M)
 
 
 def _imports_torch(main: Mapping[str, Any], cwd: str) -> bool:

@@ -31,6 +31,7 @@ import signal
 import socket
 import sys
 import time
+from typing import Any
 
 # what a fresh interpreter has, captured before any import can change it
 _SIGNALS = {s: signal.getsignal(s) for s in signal.valid_signals()
@@ -47,6 +48,7 @@ _libc = ctypes.CDLL(None, use_errno=True)
 def _preload() -> None:
     """Import what the ranks will import; raise what failed."""
     os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"  # a CUDA check that does not initialise CUDA
+    cpu = _start_cpuinfo()
     import torch
     import torch._dynamo  # noqa: F401  (imported lazily by the first optimizer step otherwise)
     try:
@@ -60,23 +62,47 @@ def _preload() -> None:
             import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: F401
         except ImportError:
             pass
-        _cache_cpuinfo()
+    _cache_cpuinfo(cpu)
     if torch.cuda.is_initialized():
         raise RuntimeError("importing torch and DeepSpeed initialised CUDA in the template: a forked rank "
                            "cannot use it")
 
 
-def _cache_cpuinfo() -> None:
-    """py-cpuinfo's ``get_cpu_info()`` once, answered from memory afterwards (a copy each time)."""
+def _start_cpuinfo() -> "tuple[Any, Any] | None":
+    """Start what py-cpuinfo's ``get_cpu_info()`` runs (``python cpuinfo.py --json``, its
+    ``get_cpu_info_json``) while the imports go on; ``(module, process)``, or None without py-cpuinfo."""
     try:
-        import copy
-        import functools
+        import subprocess
 
-        import cpuinfo
         import cpuinfo.cpuinfo as impl
     except ImportError:
+        return None
+    try:
+        return impl, subprocess.Popen([sys.executable, impl.__file__, "--json"], stdout=subprocess.PIPE,
+                                      stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
+    except OSError:
+        return None
+
+
+def _cache_cpuinfo(started: "tuple[Any, Any] | None") -> None:
+    """Answer py-cpuinfo's ``get_cpu_info()`` from memory (a copy each time), with what the process
+    :func:`_start_cpuinfo` started printed, read as ``get_cpu_info`` reads it; left alone if it failed."""
+    if started is None:
         return
-    found = impl.get_cpu_info()
+    impl, proc = started
+    try:
+        out = proc.communicate(timeout=60)[0]
+    except Exception:  # noqa: BLE001 - then each rank asks py-cpuinfo itself
+        proc.kill()
+        proc.wait()
+        return
+    if proc.returncode != 0:
+        return
+    found = json.loads(out.decode("utf-8"), object_hook=impl._utf_to_str)
+    import copy
+    import functools
+
+    import cpuinfo
 
     @functools.wraps(impl.get_cpu_info)
     def get_cpu_info():  # type: ignore[no-untyped-def]
