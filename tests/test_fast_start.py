@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import sys
 from pathlib import Path
@@ -188,3 +189,35 @@ def test_on_refuses_where_auto_would_fall_back(orch, write_spec, hostfile, tmp_p
     assert cause["kind"] == "spawn_failed", cause
     assert "fast_start on: the ranks cannot be forked on node-0" in cause["message"], cause
     assert "imports neither torch nor DeepSpeed" in cause["message"], cause
+
+
+def test_the_template_plan_says_why_a_node_s_ranks_cannot_be_forked(tmp_path) -> None:
+    """agents.forkserver.plan_template, without processes: each reason auto logs and on fails with, and what
+    the template gets (the variables every rank shares; each rank's entrypoint)."""
+    from agents.forkserver import NodeReason, plan_template
+    py = sys.executable
+    (tmp_path / "train.py").write_text("import os, torch\n")
+    (tmp_path / "plain.py").write_text("import os\n")
+    argv = [[py, "-u", "train.py", f"--local_rank={i}"] for i in range(2)]
+    envs = [{"RANK": str(i), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "0,1"} for i in range(2)]
+    plan = plan_template(argv, envs, str(tmp_path))
+    assert plan.options == ("-u",) and dict(plan.env) == {"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "0,1"}
+    assert [m["args"] for m in plan.mains] == [["--local_rank=0"], ["--local_rank=1"]]
+    assert plan.mains[0]["target"] == str(tmp_path / "train.py") and plan.mains[0]["argv0"] == "train.py"
+    module = plan_template([[py, "-u", "-m", "pkg.main", "x"]], [{}], str(tmp_path))  # not a file here: assumed
+    assert module.mains[0] == {"kind": "module", "target": "pkg.main", "args": ["x"]}
+    cases = [
+        (argv, [{**e, "CUDA_VISIBLE_DEVICES": e["RANK"]} for e in envs], None,
+         "CUDA_VISIBLE_DEVICES differs between the node's ranks", True),
+        (argv, [{**e, "PYTHONHASHSEED": e["RANK"]} for e in envs], None, "PYTHONHASHSEED differs", True),
+        ([[py, "-u", "missing.py"]], [{}], None, "'missing.py' is not a file in", True),
+        ([["/bin/sh", "run.sh"]], [{}], None, "is not Python (no_python)", False),
+        ([[py, "-c", "print(1)"]], [{}], None, "interpreter option '-c'", False),
+        ([[py, "-u", "plain.py"]], [{}], None, "imports neither torch nor DeepSpeed", False),
+        ([argv[0], [py, "-B", "train.py"]], envs, None, "different interpreters or interpreter options", False),
+        (argv, envs, "openmpi", "the openmpi launcher's ranks are started by its own tool", False),
+    ]
+    for argvs, env, launcher, words, node_only in cases:
+        with pytest.raises(ValueError, match=re.escape(words)) as err:
+            plan_template(argvs, env, str(tmp_path), launcher)
+        assert isinstance(err.value, NodeReason) == node_only, words
