@@ -137,7 +137,9 @@ def test_the_preflight_builds_the_op_once_and_the_ranks_only_load_it(orch, write
           + ", ".join(f"{h} {c['ops'][0]['status']} {c['ops'][0]['seconds']:.1f} s" for h, c in checks.items()))
     assert [op["name"] for op in pf["ops"]] == ["deepspeed_shm_comm"]
     assert sorted(os.listdir(ext)) == ["deepspeed_shm_comm"]  # one build, where the ranks look
-    assert (ext / "deepspeed_shm_comm" / "deepspeed_shm_comm.so").is_file()
+    lib = ext / "deepspeed_shm_comm" / "deepspeed_shm_comm.so"
+    started = min(e.at for e in store.events(job["id"]) if e.kind == "ranks_started")
+    assert lib.stat().st_mtime < started  # built before any rank started, and not rebuilt by a rank since
     for rank in (0, 1):
         log = orch("logs", job["id"], "--rank", str(rank)).stdout
         assert "[train] step=3" in log, log[-2000:]
