@@ -72,6 +72,8 @@ ORCH_ADDED = {
                                   "(contract); DeepSpeed's nossh launcher sets none (under torchrun both have '0')",
     "GLOO_SOCKET_IFNAME": "orch names the interface that routes to the master (agents.network; jobspec.md: the ranks' environment); the real launcher leaves gloo to guess by the hostname",
     "NCCL_SOCKET_IFNAME": "as GLOO_SOCKET_IFNAME, for NCCL's sockets",
+    "TORCH_EXTENSIONS_DIR": "orch's per-environment op cache, given to a DeepSpeed job's ranks when their environment "
+                            "sets none (agents.nodeenv; jobspec.md), so two virtualenvs never rebuild each other's ops",
 }
 #: Only when accelerate launch runs torchrun on one machine.
 TORCHRUN = {
