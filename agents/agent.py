@@ -106,6 +106,7 @@ class Agent:
         self._cgroup: AttemptCgroup | None = None
         self._no_cgroup = ""  # why the ranks have no cgroup (agents.cgroups)
         self.fast_start = str(start.get("fast_start") or "off")  # ranks forked from a template (agents.forkserver)
+        self._fast_start_note: dict[str, Any] | None = None  # how this node's ranks were started, and why
         self._launcher_name = start.get("launcher")
 
     # -- steps ------------------------------------------------------------------------------
@@ -263,23 +264,27 @@ class Agent:
                 server.close()  # the ranks are the agent's children now
         self.writer.send({"type": "started", "metrics_port": self.metrics_port, "network": choice.to_dict(),
                           "ranks": [{"global_rank": p.global_rank, "pid": p.pid} for p in self.ranks],
-                          "cgroup": self._cgroup.path if self._cgroup else None, "no_cgroup": self._no_cgroup})
+                          "cgroup": self._cgroup.path if self._cgroup else None, "no_cgroup": self._no_cgroup,
+                          "fast_start": self._fast_start_note})
         return True
 
     def _fork_server(self, envs: list[dict[str, str]]) -> "ForkServer | None | bool":
         """The spec's ``fast_start`` on this node (:mod:`agents.forkserver`): a started template to fork the
-        ranks from, None to exec them (``auto`` says why as a warning: node 0 alone where the reason is the
-        job's), or False: ``on`` cannot fork them (the start failed, with the reason)."""
+        ranks from, None to exec them (``auto`` says why in the ``started`` message's ``fast_start``), or False:
+        ``on`` cannot fork them (the start failed, with the reason)."""
         server, why, job_wide = open_server(
             self.fast_start, [r["argv"] for r in self.node["ranks"]], envs, self.node["workdir"],
             os.path.join(self.node["log_dir"], f"forkserver-node{self.node['node_rank']}.log"),
             launcher=self._launcher_name, native=bool(self.native), cgroup=self._cgroup)
         if why and self.fast_start == "on":
             return self._spawn_failed(f"fast_start on: the ranks cannot be forked on {self.node['host']}: {why}")
-        if why and not (job_wide and self.node["node_rank"] != 0):
-            where = "" if job_wide else f" on {self.node['host']}"
-            self.writer.send({"type": "warning", "message": f"fast_start: the ranks{where} are started as new "
-                              f"processes, not forked: {why}"})
+        # auto's choice is no fault of the job's: said in the started message (the ranks_started event, orch
+        # status) and the agent's log, not as a warning on every MPI, native or plain-script job
+        self._fast_start_note = {"mode": self.fast_start, "forked": server is not None,
+                                 **({"why": why, "job_wide": bool(job_wide)} if why else {})}
+        if why:
+            print(f"fast_start {self.fast_start}: the ranks on {self.node['host']} are started as new processes, "
+                  f"not forked: {why}", file=sys.stderr, flush=True)
         return server
 
     def _start_native(self, choice: network.Choice) -> bool:
@@ -312,7 +317,8 @@ class Agent:
             except OSError as err:
                 return self._spawn_failed(f"{err.strerror or err}: {tool}")
         self._announce = (time.monotonic() + self._start_timeout,
-                          {"type": "started", "metrics_port": self.metrics_port, "network": choice.to_dict()})
+                          {"type": "started", "metrics_port": self.metrics_port, "network": choice.to_dict(),
+                           "fast_start": self._fast_start_note})
         return True
 
     def _spawn_failed(self, error: str, global_rank: int | None = None, launcher: str | None = None) -> bool:

@@ -66,6 +66,7 @@ class AttemptMessages:
         self._event("ranks_started", {"node_rank": node_rank, "host": self._host(node_rank),
                                       "ranks": msg.get("ranks", []), "metrics_port": msg.get("metrics_port"),
                                       "network": msg.get("network"), "cgroup": msg.get("cgroup"),
+                                      "fast_start": msg.get("fast_start"),
                                       **({"no_cgroup": msg["no_cgroup"]} if msg.get("no_cgroup") else {})})
         if self.state == JobState.PROVISIONING and all(s in ("running", "done") for s in self.node_state.values()):
             self._set(JobState.RUNNING)
