@@ -13,7 +13,9 @@ of examples/train_gpt.py (2 steps). The systems, run in alternating rounds (A B 
 * ``torchrun``: ``ssh host torchrun --nnodes 3 --node_rank i ...`` to every host at once;
 * ``bare``: one local process, world size 1 (Python, the imports, a gloo group of one, one step).
 
-Seconds from starting the command to the moment the *last* rank has logged ``[train] step=1``; min, median
+Before the rounds, a bare run and an orch run (not counted) warm the page cache and DeepSpeed's op caches (one
+for the ranks started over ssh, one for the local bare process: :data:`EXT_DIRS`). Seconds from starting the
+command to the moment the *last* rank has logged ``[train] step=1``; min, median
 and max over the rounds, and each system's median over orch's. Needs root (namespaces).
 
     sudo .venv/bin/python bench/launch_ssh.py --rounds 5
@@ -45,11 +47,16 @@ STEP1 = re.compile(rb"\[train\] step=1 rank=(\d+) ")
 HOSTS = 3
 
 
-def _env_vars() -> dict[str, str]:
+#: DeepSpeed's JIT op cache of the ranks started over ssh (orch, pdsh, torchrun) and of the local bare process:
+#: two, because a build made in one environment does not match the other (torch rebuilds it: 40-60 s each time
+#: seen here when all four shared one), and each is warmed by a round that is not counted.
+EXT_DIRS = {"ssh": "ext-ssh", "local": "ext-local"}
+
+
+def _env_vars(ext: str) -> dict[str, str]:
     """What every system's ranks get: the CPU accelerator, one thread, gloo on the namespace's interface, a
-    private op cache (built once before the rounds)."""
-    return {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "eth0",
-            "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(ROOT / ".torch_extensions")),
+    private op cache (``ext``: a directory of :data:`EXT_DIRS`, warmed before the rounds)."""
+    return {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "eth0", "TORCH_EXTENSIONS_DIR": ext,
             "ORCH_DEEPSPEED_CONFIG": str(EXAMPLES / "ds_zero2.json")}
 
 
@@ -83,8 +90,12 @@ class Systems:
         self.path = f"{bin_dir}:{Path(sys.executable).parent}:{os.environ.get('PATH', '/usr/bin:/bin')}"
         self.hostfile = work / "hostfile"
         self.hostfile.write_text("".join(f"{n} slots=1\n" for n in net.names))
+        self.ext = {k: str(work / d) for k, d in EXT_DIRS.items()}
         self.ds_env = work / "ds_env"
-        self.ds_env.write_text("".join(f"{k}={v}\n" for k, v in {**_env_vars(), "PATH": self.path}.items()))
+        self.ds_env.write_text("".join(f"{k}={v}\n" for k, v in {**self._vars(), "PATH": self.path}.items()))
+
+    def _vars(self, where: str = "ssh") -> dict[str, str]:
+        return _env_vars(self.ext[where])
 
     def _next_port(self) -> int:
         self.port += 1
@@ -102,7 +113,7 @@ class Systems:
             "workdir": str(EXAMPLES), "entrypoint": "train_gpt.py", "args": ARGS,
             "deepspeed_config": str(EXAMPLES / "ds_zero2.json"), "master_port": self._next_port(),
             "ssh": {"user": p["user"], "identity_file": p["key_filename"], "known_hosts": p["known_hosts"]},
-            "env": {**_env_vars(), "PATH": self.path}}))
+            "env": {**self._vars(), "PATH": self.path}}))
         env = {**os.environ, "ORCH_STATE_DIR": str(d / "state"), "PATH": self.path}
         t0 = time.perf_counter()
         proc = subprocess.Popen([sys.executable, "-m", "orchestrator", "run", str(spec)], env=env,
@@ -115,7 +126,7 @@ class Systems:
     def deepspeed_pdsh(self) -> float:
         d = self._dir("ds")
         out = d / "runner.log"
-        env = {**os.environ, "PATH": self.path, "DS_ENV_FILE": str(self.ds_env), **_env_vars()}
+        env = {**os.environ, "PATH": self.path, "DS_ENV_FILE": str(self.ds_env), **self._vars()}
         t0 = time.perf_counter()
         with open(out, "wb") as f:
             proc = subprocess.Popen([sys.executable, "-u", "-m", "deepspeed.launcher.runner", "--hostfile",
@@ -130,7 +141,7 @@ class Systems:
     def torchrun(self) -> float:
         d = self._dir("torchrun")
         port = self._next_port()
-        exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in {**_env_vars(), "PATH": self.path}.items())
+        exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in {**self._vars(), "PATH": self.path}.items())
         t0 = time.perf_counter()
         procs, logs = [], []
         for i, host in enumerate(self.net.names):
@@ -151,7 +162,7 @@ class Systems:
     def bare(self) -> float:
         d = self._dir("bare")
         log = d / "bare.log"
-        env = {**os.environ, **_env_vars(), "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
+        env = {**os.environ, **self._vars("local"), "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(self._next_port())}
         env.pop("GLOO_SOCKET_IFNAME")  # this machine's namespace has no eth0 of the hosts'
         t0 = time.perf_counter()
@@ -176,7 +187,8 @@ def measure(rounds: int, systems: tuple[str, ...] = ("orch", "deepspeed_pdsh", "
     times: dict[str, list[float]] = {s: [] for s in systems}
     with tempfile.TemporaryDirectory(prefix="orch-bench-ssh-") as work, TestNetwork(HOSTS) as net:
         runs = Systems(net, Path(work))
-        runs.bare()  # warm the page cache and the op cache
+        runs.bare()  # warm the page cache and both op caches (a round not counted)
+        runs.orch()
         for i in range(rounds):
             for s in systems:
                 times[s].append(getattr(runs, s)())
