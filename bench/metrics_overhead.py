@@ -21,6 +21,7 @@ Scrape time: while an ``on`` job runs, ``--scrapes`` timed GETs of node 0's /met
 from __future__ import annotations
 
 import argparse
+import math
 import json
 import os
 import re
@@ -155,7 +156,7 @@ def main() -> int:
     if scrapes:
         scrapes.sort()
         print(f"scrape of node 0's /metrics: median {statistics.median(scrapes) * 1000:.2f} ms, "
-              f"p90 {scrapes[int(0.9 * (len(scrapes) - 1))] * 1000:.2f} ms over {len(scrapes)} scrapes")
+              f"p90 {scrapes[math.ceil(0.9 * len(scrapes)) - 1] * 1000:.2f} ms (nearest rank) over {len(scrapes)} scrapes")
     return 0
 
 
