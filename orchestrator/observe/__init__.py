@@ -4,8 +4,9 @@ and dashboard show.
 May import: ``orchestrator.errors``, ``orchestrator.checkpoints``, ``orchestrator.store``.
 """
 
-from importlib import import_module
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from .. import lazy_names
 
 #: Where each name lives; imported on first use (PEP 562): the CLI's views need no prometheus_client.
 _WHERE = {"next_steps": "hints",
@@ -19,12 +20,7 @@ if TYPE_CHECKING:
     from .views import job_detail, job_list, job_summary, log_path, node_rows, progress_of, rank_rows, read_log
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _WHERE:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(import_module(f"{__name__}.{_WHERE[name]}"), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_names(__name__, _WHERE)
 
 __all__ = ["ControllerMetrics", "TargetsWriter", "attempt_targets", "default_targets_dir", "job_summary", "job_list",
            "job_detail", "next_steps", "rank_rows", "node_rows", "read_log", "progress_of", "log_path"]

@@ -12,9 +12,9 @@ process they start, its message link, the marker sweep).
 
 from __future__ import annotations
 
-from importlib import import_module
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from .. import lazy_names
 from ..errors import ProvisionError
 
 if TYPE_CHECKING:
@@ -27,12 +27,7 @@ if TYPE_CHECKING:
 _WHERE = {"AgentHandle": "base", "Provisioner": "base", "LocalProvisioner": "local"}
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _WHERE:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(import_module(f"{__name__}.{_WHERE[name]}"), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_names(__name__, _WHERE)
 
 __all__ = ["AgentHandle", "Provisioner", "LocalProvisioner", "get_provisioner", "REATTACHING"]
 

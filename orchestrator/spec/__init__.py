@@ -4,8 +4,9 @@ May import: ``orchestrator.errors``, ``orchestrator.launchers`` (the names of th
 version runs). Everything else reads the spec; the spec reads nothing that runs a job.
 """
 
-from importlib import import_module
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from .. import lazy_names
 
 #: Where each name lives; imported on first use (PEP 562), so a command that reads only a small part (the
 #: job list, a secret's redaction) does not load pydantic's models and Accelerate's rules (~0.4 s).
@@ -27,12 +28,7 @@ if TYPE_CHECKING:
     from .resume import ResumeOptions
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _WHERE:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(import_module(f"{__name__}.{_WHERE[name]}"), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_names(__name__, _WHERE)
 
 
 __all__ = ["JobSpec", "SSHOptions", "RayOptions", "SlurmOptions", "RestartPolicy", "PreflightOptions", "ResumeOptions", "AccelerateSettings",

@@ -12,8 +12,9 @@ restart policy), :mod:`.resume` (where a resume starts), :mod:`.orphans` (jobs w
 :mod:`.settings` (deadlines), :mod:`.pruning` (the spec's checkpoint retention), :mod:`.housekeeping` (``orch gc``).
 """
 
-from importlib import import_module
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from .. import lazy_names
 
 #: Where each name lives; imported on first use (PEP 562): ``orch list`` needs the orphan check, not the
 #: controller, its provisioners and the planner.
@@ -30,12 +31,7 @@ if TYPE_CHECKING:
     from .prepare import prepare_plan
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _WHERE:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(import_module(f"{__name__}.{_WHERE[name]}"), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_names(__name__, _WHERE)
 
 __all__ = ["Controller", "AttemptRun", "prepare_plan", "recover_orphans", "default_state_dir", "new_job_id",
            "rank_log_tail"]
