@@ -224,6 +224,8 @@ ORCH_ADDED = {
                                 "(docs/metrics.md); set while the job exports metrics",
     "GLOO_SOCKET_IFNAME": "orch names the interface that routes to the master (agents.network; jobspec.md: the ranks' environment); the real launcher leaves gloo to guess by the hostname",
     "NCCL_SOCKET_IFNAME": "as GLOO_SOCKET_IFNAME, for NCCL's sockets",
+    "TORCH_EXTENSIONS_DIR": "orch's per-environment op cache, given to a DeepSpeed job's ranks when their environment "
+                            "sets none (agents.nodeenv; jobspec.md)",
 }
 ORCH_CONFIG = {"ORCH_DEEPSPEED_CONFIG": "path of the spec's DeepSpeed config as orch wrote it "
                                         "(contract: ORCH_*); set only when the spec has one"}
