@@ -40,7 +40,10 @@ def test_submit_follow_cancel_resume_through_the_server(orch, server, write_spec
     assert json.loads((orch.state_dir / "server.json").read_text())["url"] == url
     wait_for(lambda: orch.json("status", job_id)["state"] == "RUNNING", 60, "RUNNING")
     wait_for(lambda: all(r["step"] for r in orch.json("status", job_id)["ranks"]), 60, "steps on every rank")
-    listed = orch.http().get(f"{url}/api/jobs").json()
+    # (the ranks' steps in orch status come from their logs at once; the job list's from the agents' progress
+    # reports, about once a second: wait for those too)
+    listed = wait_for(lambda: (page := orch.http().get(f"{url}/api/jobs").json()) and page[0]["step"] and page, 30,
+                      "a step in the job list")
     assert [j["id"] for j in listed] == [job_id] and listed[0]["world_size"] == 2
     # steps from the ranks' log lines (the worker does not report): a step and a loss, no total so no ETA
     assert listed[0]["step"] >= 1 and listed[0]["loss"] > 0 and listed[0]["total_steps"] is None
