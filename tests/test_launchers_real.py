@@ -87,7 +87,9 @@ def node_env(tmp_path: Path, out_dir: Path, **extra: str) -> dict[str, str]:
     home = tmp_path / "home"
     home.mkdir(exist_ok=True)
     env = {"PATH": f"{VENV_BIN}:/usr/local/bin:/usr/bin:/bin", "HOME": str(home),
-           "LANG": "C.UTF-8", "DS_ACCELERATOR": "cpu", "PROBE_OUT_DIR": str(out_dir)}
+           "LANG": "C.UTF-8", "DS_ACCELERATOR": "cpu", "PROBE_OUT_DIR": str(out_dir),
+           # the tests' own op cache (conftest), else orch's preflight builds the op into this fresh home
+           "TORCH_EXTENSIONS_DIR": os.environ["TORCH_EXTENSIONS_DIR"]}
     env.update(extra)
     return env
 
