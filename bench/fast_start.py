@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -25,10 +24,10 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 EXAMPLES = ROOT / "examples"
-ARGS = ["--steps", "2", "--n-layer", "1", "--d-model", "32", "--n-head", "2", "--seq-len", "32",
-        "--corpus-bytes", "200000", "--log-interval", "0"]
-STEP1 = re.compile(rb"^\[train\] step=1 rank=(\d+) ", re.M)
+
+from bench.launch_latency import ARGS, wait_step1  # noqa: E402  (the same job, the same step-1 poll)
 
 
 def run(tmp: Path, mode: str, slots: int = 1) -> float:
@@ -46,25 +45,16 @@ def run(tmp: Path, mode: str, slots: int = 1) -> float:
     t0 = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-m", "orchestrator", "run", str(spec)], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = t0 + 300
-    while time.perf_counter() < deadline:
-        logs = list(state.glob("jobs/*/attempt-1/logs/rank-*.log"))
-        seen = set()
-        for f in logs:
-            try:
-                seen |= {int(m) for m in STEP1.findall(f.read_bytes())}
-            except OSError:
-                pass
-        if len(seen) == 2 * slots:
-            dt = time.perf_counter() - t0
-            if proc.wait(300) != 0:
-                raise RuntimeError(f"orch run ({mode}) failed; state in {state}")
-            return dt
-        if proc.poll() is not None:
-            raise RuntimeError(f"orch run ({mode}) ended before step 1 on every rank; state in {state}")
-        time.sleep(0.01)
-    proc.kill()
-    raise TimeoutError(f"no step 1 on every rank within 300 s ({mode})")
+    try:
+        dt = wait_step1(lambda: list(state.glob("jobs/*/attempt-1/logs/rank-*.log")), 2 * slots, t0, [proc], 300)
+    except RuntimeError:
+        raise RuntimeError(f"orch run ({mode}) ended before step 1 on every rank; state in {state}") from None
+    except TimeoutError:
+        proc.kill()
+        raise TimeoutError(f"no step 1 on every rank within 300 s ({mode})") from None
+    if proc.wait(300) != 0:
+        raise RuntimeError(f"orch run ({mode}) failed; state in {state}")
+    return dt
 
 
 def main() -> int:

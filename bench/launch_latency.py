@@ -31,6 +31,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -51,19 +52,26 @@ def env() -> dict[str, str]:
     return e
 
 
-def wait_step1(files: list[Path], ranks: int, t0: float, procs: list[subprocess.Popen], timeout: float) -> float:
-    """Seconds until every rank logged step 1 in ``files`` (polled every 10 ms)."""
+def wait_step1(files: "list[Path] | Callable[[], list[Path]]", ranks: int, t0: float, procs: list[subprocess.Popen],
+               timeout: float, pattern: "re.Pattern[bytes]" = STEP1) -> float:
+    """Seconds from ``t0`` until ``ranks`` distinct ranks logged step 1 (``pattern``'s group 1) in ``files`` (a
+    list, or a function giving the list each time: logs that appear later), polled every 10 ms.
+
+    Raises:
+        RuntimeError: every process of ``procs`` ended first.
+        TimeoutError: not within ``timeout`` seconds.
+    """
     while time.perf_counter() - t0 < timeout:
         seen = set()
-        for f in files:
+        for f in (files() if callable(files) else files):
             try:
-                seen |= {int(m) for m in STEP1.findall(f.read_bytes())}
+                seen |= {int(m) for m in pattern.findall(f.read_bytes())}
             except OSError:
                 pass
-        if len(seen) == ranks:
+        if len(seen) >= ranks:
             return time.perf_counter() - t0
-        if procs and all(p.poll() is not None for p in procs) and len(seen) < ranks:
-            raise RuntimeError(f"ended before step 1 on every rank: {files}")
+        if procs and all(p.poll() is not None for p in procs):
+            raise RuntimeError(f"ended before step 1 on every rank: {files() if callable(files) else files}")
         time.sleep(0.01)
     raise TimeoutError("no step 1 in time")
 

@@ -40,9 +40,9 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+
+from bench.launch_latency import ARGS, wait_step1  # noqa: E402  (the same job; the step-1 poll of every launch benchmark)
 EXAMPLES = ROOT / "examples"
-ARGS = ["--steps", "2", "--n-layer", "1", "--d-model", "32", "--n-head", "2", "--seq-len", "32",
-        "--corpus-bytes", "200000", "--log-interval", "0"]
 STEP1 = re.compile(rb"\[train\] step=1 rank=(\d+) ")
 HOSTS = 3
 
@@ -58,22 +58,6 @@ def _env_vars(ext: str) -> dict[str, str]:
     private op cache (``ext``: a directory of :data:`EXT_DIRS`, warmed before the rounds)."""
     return {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "eth0", "TORCH_EXTENSIONS_DIR": ext,
             "ORCH_DEEPSPEED_CONFIG": str(EXAMPLES / "ds_zero2.json")}
-
-
-def _wait_step1(files: Callable[[], list[Path]], t0: float, procs: list[subprocess.Popen], timeout: float = 300) -> float:
-    while time.perf_counter() - t0 < timeout:
-        seen: set[int] = set()
-        for f in files():
-            try:
-                seen |= {int(m) for m in STEP1.findall(f.read_bytes())}
-            except OSError:
-                pass
-        if len(seen) == HOSTS or (len(seen) == 1 and HOSTS == 1):
-            return time.perf_counter() - t0
-        if procs and all(p.poll() is not None for p in procs):
-            raise RuntimeError(f"ended before step 1 on every rank: {[str(f) for f in files()]}")
-        time.sleep(0.01)
-    raise TimeoutError("no step 1 on every rank in time")
 
 
 class Systems:
@@ -118,7 +102,8 @@ class Systems:
         t0 = time.perf_counter()
         proc = subprocess.Popen([sys.executable, "-m", "orchestrator", "run", str(spec)], env=env,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        dt = _wait_step1(lambda: list((d / "state").glob("jobs/*/attempt-1/logs/rank-*.log")), t0, [proc])
+        logs = lambda: list((d / "state").glob("jobs/*/attempt-1/logs/rank-*.log"))  # noqa: E731
+        dt = wait_step1(logs, HOSTS, t0, [proc], 300, STEP1)
         if proc.wait(300) != 0:
             raise RuntimeError(f"orch run failed (state in {d})")
         return dt
@@ -133,7 +118,7 @@ class Systems:
                                      str(self.hostfile), "--launcher", "pdsh", "--master_addr", self.net.addresses[0],
                                      "--master_port", str(self._next_port()), "train_gpt.py", *ARGS],
                                     cwd=EXAMPLES, env=env, stdout=f, stderr=subprocess.STDOUT)
-        dt = _wait_step1(lambda: [out], t0, [proc])
+        dt = wait_step1([out], HOSTS, t0, [proc], 300, STEP1)
         if proc.wait(300) != 0:
             raise RuntimeError(f"deepspeed's runner failed: {out}")
         return dt
@@ -153,7 +138,7 @@ class Systems:
             with open(logs[-1], "wb") as f:
                 procs.append(subprocess.Popen(["/usr/bin/ssh", "-F", str(self.net.ssh_config), host, cmd],
                                               stdout=f, stderr=subprocess.STDOUT))
-        dt = _wait_step1(lambda: logs, t0, procs)
+        dt = wait_step1(logs, HOSTS, t0, procs, 300, STEP1)
         for p in procs:
             if p.wait(300) != 0:
                 raise RuntimeError(f"torchrun failed: {logs}")
@@ -169,15 +154,9 @@ class Systems:
         with open(log, "wb") as f:
             proc = subprocess.Popen([sys.executable, "-u", "train_gpt.py", *ARGS], cwd=EXAMPLES, env=env,
                                     stdout=f, stderr=subprocess.STDOUT)
-        while time.perf_counter() - t0 < 300:
-            if STEP1.search(log.read_bytes()):
-                dt = time.perf_counter() - t0
-                proc.wait(300)
-                return dt
-            if proc.poll() is not None:
-                raise RuntimeError(f"the bare process failed: {log}")
-            time.sleep(0.01)
-        raise TimeoutError("the bare process took over 300 s")
+        dt = wait_step1([log], 1, t0, [proc], 300, STEP1)
+        proc.wait(300)
+        return dt
 
 
 def measure(rounds: int, systems: tuple[str, ...] = ("orch", "deepspeed_pdsh", "torchrun", "bare"),
