@@ -44,8 +44,9 @@ from . import devices, network, stacks
 from .attach import AttachPoint, RelinkWriter, write_outcome
 from .cgroups import AttemptCgroup
 from .adopted import SHIM, AdoptedRank, log_tail, write_plans, wrong_tool
-from .before import BeforeStart
+from .before import BeforeStart, stay_warm
 from .forkserver import ForkedRank, ForkServer, open_server
+from .sweep import carry_record
 from .nodeenv import node_env, rank_env, read_env_files
 from .link import MessageReader, MessageWriter
 from .ranks import RankProcess, become_subreaper, private_files, describe_returncode, kill_descendants, kill_marked, stop_all
@@ -63,10 +64,12 @@ class Agent:
         writer: where messages to the controller go.
         inbox: messages from the controller (the reader's queue).
         base_env: the node's environment that every rank's env is laid over.
+        template: the fork-server template an earlier attempt on this node kept warm, or None.
     """
 
     def __init__(self, start: dict[str, Any], writer: MessageWriter,
-                 inbox: "queue.Queue[tuple[Any, dict]]", base_env: dict[str, str]) -> None:
+                 inbox: "queue.Queue[tuple[Any, dict]]", base_env: dict[str, str],
+                 template: ForkServer | None = None) -> None:
         self.node = start["node"]
         self.attempt_id = start["attempt_id"]
         self.grace = float(start.get("grace", 10.0))
@@ -108,6 +111,11 @@ class Agent:
         self.fast_start = str(start.get("fast_start") or "off")  # ranks forked from a template (agents.forkserver)
         self._fast_start_note: dict[str, Any] | None = None  # how this node's ranks were started, and why
         self._launcher_name = start.get("launcher")
+        #: > 0: once this attempt ends (told to stop, or every rank exited) the agent, and its template, stay up
+        #: this many seconds for the controller's next attempt (:func:`main`); 0: the agent exits
+        self.keep_warm_s = float(start.get("keep_warm_s") or 0)
+        self.template = template
+        self.may_stay = False  # the attempt ended as the controller expects (stop, or done): warm may follow
 
     # -- steps ------------------------------------------------------------------------------
 
@@ -260,7 +268,7 @@ class Agent:
                     return False
                 self.ranks.append(proc)
         finally:
-            if server:
+            if server and server is not self.template:
                 server.close()  # the ranks are the agent's children now
         self.writer.send({"type": "started", "metrics_port": self.metrics_port, "network": choice.to_dict(),
                           "ranks": [{"global_rank": p.global_rank, "pid": p.pid} for p in self.ranks],
@@ -275,7 +283,10 @@ class Agent:
         server, why, job_wide = open_server(
             self.fast_start, [r["argv"] for r in self.node["ranks"]], envs, self.node["workdir"],
             os.path.join(self.node["log_dir"], f"forkserver-node{self.node['node_rank']}.log"),
-            launcher=self._launcher_name, native=bool(self.native), cgroup=self._cgroup)
+            launcher=self._launcher_name, native=bool(self.native), warm=self.template)
+        if self.template is not None and server is not self.template:
+            self.template.close()  # (not this attempt's: another Python, import-time variable, or fast_start off)
+        self.template = server if self.keep_warm_s > 0 and server is not None else None
         if why and self.fast_start == "on":
             return self._spawn_failed(f"fast_start on: the ranks cannot be forked on {self.node['host']}: {why}")
         # auto's choice is no fault of the job's: said in the started message (the ranks_started event, orch
@@ -382,6 +393,7 @@ class Agent:
                 last_heard = now
                 kind = msg.get("type")
                 if kind == "stop":
+                    self.may_stay = True
                     return self._stop(msg.get("reason", "stop requested"), kill=msg.get("kill") or ())
                 if kind == "eof" and self._attach is None:
                     return self._stop("controller went away (end of stream)", report=False)
@@ -413,6 +425,7 @@ class Agent:
                 self._stop_watch()
                 self.writer.send({"type": "done", "exits": {str(k): v for k, v in self.exited.items()}})
                 self._cleanup()
+                self.may_stay = True
                 return 0 if all(v == 0 for v in self.exited.values()) else 1
 
     def _next_message(self, timeout: float) -> dict | None:
@@ -505,7 +518,8 @@ class Agent:
         if self._cgroup is not None:
             self._cgroup.kill()  # every process of the ranks, however far it went (agents.cgroups)
         if all(p.poll() is not None for p in self.ranks if isinstance(p, RankProcess)):
-            kill_descendants()  # orphans re-parented to this subreaper, then reap everything
+            # orphans re-parented to this subreaper, then reap everything but a template kept warm
+            kill_descendants(spare=[self.template.popen.pid] if self.template and self.template.popen else [])
         kill_marked(self.attempt_id, node_rank=self.node["node_rank"])
         if self._attach is not None:
             self._attach.close()
@@ -542,13 +556,24 @@ def main() -> int:
         writer.close()  # (what waits is sent first)
         return 2
     become_subreaper()
+    template: ForkServer | None = None
     try:
-        agent = Agent(first, writer, inbox, base_env)
-        signal.signal(signal.SIGTERM, agent.on_signal)
-        signal.signal(signal.SIGINT, agent.on_signal)
-        signal.signal(signal.SIGHUP, agent.on_signal)
-        return agent.run()
+        while True:
+            agent = Agent(first, writer, inbox, base_env, template)
+            for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+                signal.signal(signum, agent.on_signal)
+            status = agent.run()
+            template = agent.template
+            if not (agent.may_stay and agent.keep_warm_s > 0):
+                return status
+            first = stay_warm(agent.keep_warm_s, writer, inbox, base_env,
+                              {"attempt_id": agent.attempt_id, "template": template.popen.pid if template else None})
+            if first is None:
+                return status
+            carry_record(first["attempt_id"], int(first["node"]["node_rank"]))  # a sweep of that attempt finds us
     finally:
+        if template is not None:
+            template.close()
         writer.close()  # what waits is sent first (10 s at most)
 
 

@@ -5,7 +5,9 @@ Run by :func:`agents.agent.main` before the node's plan arrives (:class:`BeforeS
 
 from __future__ import annotations
 
+import os
 import queue
+import signal
 import sys
 import threading
 import time
@@ -14,7 +16,7 @@ from typing import Any
 from .link import MessageWriter
 from .nodeenv import rank_env
 
-__all__ = ["BeforeStart"]
+__all__ = ["BeforeStart", "stay_warm"]
 
 
 class BeforeStart:
@@ -27,10 +29,13 @@ class BeforeStart:
         writer: where messages to the controller go.
         inbox: messages from the controller.
         base_env: the node's environment (ranks' environments are laid over it).
+        warm: between two attempts (:func:`stay_warm`): what the ended attempt's controller still sends (a ``stop``
+            that crossed the agent's ``idle``, a ``dump``) is ignored; only end of stream releases the agent.
     """
 
     def __init__(self, writer: MessageWriter, inbox: "queue.Queue[tuple[Any, dict]]",
-                 base_env: dict[str, str]) -> None:
+                 base_env: dict[str, str], warm: bool = False) -> None:
+        self.warm = warm
         self.writer = writer
         self.inbox = inbox
         self.base_env = base_env
@@ -59,11 +64,11 @@ class BeforeStart:
             kind = msg.get("type")
             if kind == "start":
                 return msg
-            if kind in ("eof", "stop"):
+            if kind == "eof" or (kind == "stop" and not self.warm):
                 return None  # the controller gave up on this attempt before it started
             if kind == "preflight":
                 self._preflight(msg)
-            elif kind != "ping":
+            elif kind != "ping" and not self.warm:
                 print(f"agent: expected a start message, got {kind!r}; exiting", file=sys.stderr)
                 return None
         print(f"agent: no start message within {timeout:.0f} s; exiting", file=sys.stderr)
@@ -99,3 +104,25 @@ class BeforeStart:
             if self._thread is not None:
                 self._thread.join(5.0)
             self.preflight.cleanup()
+
+
+def stay_warm(keep_s: float, writer: MessageWriter, inbox: "queue.Queue[tuple[Any, dict]]",
+              base_env: dict[str, str], about: dict[str, Any]) -> dict | None:
+    """The agent between two attempts (the controller's ``keep_warm_s``): say ``idle`` (``about``: the attempt
+    that ended, the warm template's pid; the attempt's processes are gone, the agent and its template are up)
+    and wait up to ``keep_s`` seconds for the next attempt's ``preflight`` requests and ``start``, as after
+    ``hello``.
+
+    Returns:
+        The next ``start`` message; None when the controller released the node (end of stream), fell silent
+        (past the lease of a preflight request), or ``keep_s`` passed. A signal now ends the agent at once (its template dies with it:
+        ``PR_SET_PDEATHSIG``).
+    """
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_DFL)
+    writer.send({"type": "idle", "pid": os.getpid(), **about})
+    before = BeforeStart(writer, inbox, base_env, warm=True)
+    try:
+        return before.wait(timeout=keep_s)
+    finally:
+        before.close()

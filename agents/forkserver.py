@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import array
 import ctypes
+import dataclasses
 import json
 import os
 import re
@@ -86,6 +87,15 @@ class TemplatePlan:
     cwd: str
     mains: tuple[Mapping[str, Any], ...]
     room: tuple[int, int]
+
+    def key(self) -> tuple:
+        """What a started template's imports depend on: the interpreter, its options, the working directory and
+        the import-time variables (:data:`IMPORT_TIME_VARS`, ``PYTHON*``, ``LD_*``). A template kept warm from an
+        earlier attempt serves a new one whose plan has the same key (and whose ranks' argv and environment fit
+        its room)."""
+        imports = sorted((k, v) for k, v in self.env.items()
+                         if k in IMPORT_TIME_VARS or k.startswith(_IMPORT_TIME_PREFIXES))
+        return (self.python, self.options, self.cwd, tuple(imports))
 
 
 def _parse(argv: Sequence[str], cwd: str) -> tuple[tuple[str, ...], dict[str, Any]]:
@@ -177,7 +187,8 @@ def _is_subreaper() -> bool:
 
 
 class ForkServer:
-    """The template process of one node and attempt, and the socket to it.
+    """The template process of one node, and the socket to it; kept from one attempt to the next while the
+    agent stays warm (:meth:`serves`).
 
     Example::
 
@@ -189,14 +200,18 @@ class ForkServer:
     Args:
         plan: what the template runs with (:func:`plan_template`).
         log_path: file the template's own output is appended to.
-        cgroup: an :class:`agents.cgroups.AttemptCgroup` the template (and so every rank forked from it)
-            joins, or None.
+
+    The template joins no attempt's cgroup (each forked rank joins its own: :meth:`fork`) and carries no
+    attempt's markers, so an attempt's cleanup leaves it for the next; it has room for command lines and
+    environments :data:`SPARE_ROOM` bytes longer than the first attempt's (a resumed script's arguments).
     """
 
-    def __init__(self, plan: TemplatePlan, log_path: str, cgroup: Any = None) -> None:
-        self.plan = plan
+    #: Bytes of argv and environment room beyond the first attempt's ranks' (a later attempt's may be longer).
+    SPARE_ROOM = (4096, 16384)
+
+    def __init__(self, plan: TemplatePlan, log_path: str) -> None:
+        self.plan = dataclasses.replace(plan, room=(plan.room[0] + self.SPARE_ROOM[0], plan.room[1] + self.SPARE_ROOM[1]))
         self.log_path = log_path
-        self.cgroup = cgroup
         self.popen: subprocess.Popen[bytes] | None = None
         self.sock: socket.socket | None = None
 
@@ -207,7 +222,9 @@ class ForkServer:
         self.sock = ours
         head = [self.plan.python, *self.plan.options, "-c", _BOOT, _TEMPLATE, str(theirs.fileno()), str(os.getpid())]
         head.append("-" * max(1, self.plan.room[0] - _block(head)))
-        env = dict(self.plan.env)
+        # not marked as the attempt's (its sweep, and the cleanup of its node, would kill a template kept warm for
+        # the next attempt); it dies with the agent (PR_SET_PDEATHSIG), and each rank shows its own markers
+        env = {k: v for k, v in self.plan.env.items() if k not in (_ranks.MARKER_ENV, _ranks.NODE_RANK_ENV)}
         shown = _block(f"{k}={v}" for k, v in env.items())
         env["ORCH_FORK_ROOM"] = "-" * max(1, self.plan.room[1] - shown)
         os.makedirs(os.path.dirname(self.log_path) or ".", exist_ok=True)
@@ -233,11 +250,6 @@ class ForkServer:
 
     def _before_exec(self) -> None:  # in the template, between fork and exec
         _ranks._die_with_parent()
-        if self.cgroup is not None:
-            try:
-                self.cgroup.join()
-            except OSError:
-                pass
 
     def _receive(self, timeout: float) -> dict | None:
         """The template's next message, or None (it ended, or ``timeout`` passed)."""
@@ -255,9 +267,10 @@ class ForkServer:
         return None
 
     def fork(self, rank_id: int, argv: Sequence[str], env: Mapping[str, str], main: Mapping[str, Any],
-             out_fd: int, cwd: str | None = None, timeout: float = FORK_TIMEOUT_S) -> int:
+             out_fd: int, cwd: str | None = None, timeout: float = FORK_TIMEOUT_S, cgroup: str | None = None) -> int:
         """Fork one rank whose stdout and stderr are ``out_fd``; return its pid once it is the agent's
-        child, in its own session, with ``PR_SET_PDEATHSIG`` (then it runs ``main``).
+        child, in its own session, with ``PR_SET_PDEATHSIG``, in the cgroup whose ``cgroup.procs`` file is
+        ``cgroup`` (if given; then it runs ``main``).
 
         Raises:
             OSError: the template is gone, the fork failed, or no answer came within ``timeout`` s.
@@ -265,7 +278,7 @@ class ForkServer:
         if self.sock is None:
             raise OSError("the fork-server's template is not running")
         request = {"op": "fork", "id": rank_id, "argv": list(argv), "env": dict(env), "main": dict(main),
-                   "cwd": cwd or self.plan.cwd, "umask": _ranks.USER_UMASK if _ranks.USER_UMASK != -1 else _umask()}
+                   "cwd": cwd or self.plan.cwd, "cgroup": cgroup, "umask": _ranks.USER_UMASK if _ranks.USER_UMASK != -1 else _umask()}
         self.sock.sendmsg([json.dumps(request).encode()],
                           [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [out_fd]))])
         reply = self._receive(timeout)
@@ -273,6 +286,17 @@ class ForkServer:
             raise OSError(f"the fork-server did not start rank {rank_id}: "
                           f"{(reply or {}).get('error') or 'no answer from the template'}")
         return int(reply["pid"])
+
+    def serves(self, plan: TemplatePlan) -> bool:
+        """Whether this running template can fork the ranks of ``plan`` (a later attempt's): the same
+        :meth:`TemplatePlan.key`, and room for their command lines and environments."""
+        return (self.sock is not None and self.popen is not None and self.popen.poll() is None
+                and self.plan.key() == plan.key() and plan.room[0] <= self.plan.room[0]
+                and plan.room[1] <= self.plan.room[1])
+
+    def adopt(self, plan: TemplatePlan) -> None:
+        """Serve ``plan``'s ranks from now on (its entrypoints; :meth:`serves` must be true)."""
+        self.plan = dataclasses.replace(plan, room=self.plan.room)
 
     def close(self) -> None:
         """Stop the template (the ranks forked from it run on: they are the agent's children)."""
@@ -332,7 +356,8 @@ class ForkedRank(RankProcess):
         os.makedirs(os.path.dirname(self.log_path) or ".", exist_ok=True)
         read_end, write_end = os.pipe()
         try:
-            self._pid = self.server.fork(self.global_rank, self.argv, self.env, self.main, write_end, self.cwd)
+            self._pid = self.server.fork(self.global_rank, self.argv, self.env, self.main, write_end, self.cwd,
+                                         cgroup=self.cgroup.procs if self.cgroup is not None else None)
         except OSError:
             os.close(read_end)
             raise
@@ -387,7 +412,7 @@ class ForkedRank(RankProcess):
 
 def open_server(mode: str, argvs: Sequence[Sequence[str]], envs: Sequence[Mapping[str, str]], cwd: str,
                 log_path: str, *, launcher: str | None = None, native: bool = False,
-                cgroup: Any = None) -> tuple[ForkServer | None, str | None, bool]:
+                warm: ForkServer | None = None) -> tuple[ForkServer | None, str | None, bool]:
     """Decide how one node's ranks start, and start its template when they are to be forked.
 
     Args:
@@ -396,7 +421,8 @@ def open_server(mode: str, argvs: Sequence[Sequence[str]], envs: Sequence[Mappin
         cwd: the ranks' working directory.
         log_path: the template's log file.
         launcher: the plan's launcher name; native: whether the real launcher starts the ranks.
-        cgroup: the attempt's cgroup on this node, or None.
+        warm: the template an earlier attempt on this node kept: it serves these ranks if it can
+            (:meth:`ForkServer.serves`), else it is closed and a new one started.
 
     Returns:
         ``(server, None, _)``: fork the ranks from ``server``; ``(None, None, _)``: exec them (mode off);
@@ -415,6 +441,11 @@ def open_server(mode: str, argvs: Sequence[Sequence[str]], envs: Sequence[Mappin
     if not _is_subreaper():
         return None, ("the agent is not a child subreaper (PR_SET_CHILD_SUBREAPER), so it could not reap a forked "
                       "rank"), False
-    server = ForkServer(plan, log_path, cgroup)
+    if warm is not None and warm.serves(plan):
+        warm.adopt(plan)
+        return warm, None, False
+    if warm is not None:
+        warm.close()
+    server = ForkServer(plan, log_path)
     why = server.start()
     return (server, None, False) if why is None else (None, why, False)

@@ -164,6 +164,15 @@ def _become_rank(sock: socket.socket, out: int, request: dict, agent_pid: int) -
     code = 70
     try:
         os.setsid()
+        if request.get("cgroup"):  # the attempt's cgroup on the node (agents.cgroups): as an exec'd rank joins it
+            try:
+                fd = os.open(request["cgroup"], os.O_WRONLY)
+                try:
+                    os.write(fd, b"0")
+                finally:
+                    os.close(fd)
+            except OSError:
+                pass  # (as for an exec'd rank: the cgroup sweep then misses it, the markers do not)
         deadline = time.monotonic() + 10.0
         while os.getppid() != agent_pid:  # the middle process exits: re-parented to the agent (a subreaper)
             if time.monotonic() > deadline:

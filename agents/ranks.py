@@ -20,7 +20,7 @@ import signal
 import subprocess
 import threading
 import time
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Collection, Mapping, Sequence
 
 import psutil
 
@@ -59,16 +59,27 @@ def become_subreaper() -> bool:
     return _prctl(_PR_SET_CHILD_SUBREAPER, 1)
 
 
-def kill_descendants() -> list[int]:
+def kill_descendants(spare: Collection[int] = ()) -> list[int]:
     """SIGKILL every descendant of this process and reap them all; returns the pids killed.
+
+    ``spare``: pids kept alive with their own descendants (a node's warm fork-server template, kept for the
+    next attempt: ``agents.forkserver``).
 
     Call only once every rank's :class:`RankProcess` has been reaped (``wait``/``poll``
     returned): reaping with ``waitpid(-1)`` would otherwise steal a rank's exit status
     from ``subprocess``.
     """
     me = psutil.Process()
+    kept: set[int] = set()
+    for pid in spare:
+        try:
+            kept |= {pid} | {c.pid for c in psutil.Process(pid).children(recursive=True)}
+        except psutil.NoSuchProcess:
+            continue
     killed = []
     for child in me.children(recursive=True):
+        if child.pid in kept:
+            continue
         try:
             child.kill()
             killed.append(child.pid)
@@ -76,13 +87,14 @@ def kill_descendants() -> list[int]:
             pass
     deadline = time.monotonic() + 5.0
     while time.monotonic() < deadline:
-        try:
-            pid, _ = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
+        if not [c for c in me.children() if c.pid not in kept]:
             break
+        try:
+            pid = next((c.pid for c in me.children() if c.pid not in kept), 0)
+            pid, _ = os.waitpid(pid, os.WNOHANG) if pid else (0, 0)
+        except ChildProcessError:
+            pid = 0
         if pid == 0:
-            if not me.children():
-                break
             time.sleep(0.02)
     return killed
 

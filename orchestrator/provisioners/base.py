@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import queue
 from abc import ABC, abstractmethod
+from collections.abc import Collection
 from typing import Any
 
 from ..errors import ProvisionError
@@ -62,6 +63,9 @@ class Provisioner(ABC):
     granted: bool = False
     #: a new controller can take over this provisioner's running agents (:meth:`attach_agent`)
     reattaches: bool = False
+    #: its agents can stay up for the next attempt, which another instance then runs (:meth:`detach`,
+    #: :meth:`adopt`; ``orchestrator.supervision.warm``)
+    warm_capable: bool = False
 
     def check(self, pool: ResourcePool) -> None:
         """Refuse, before anything starts, nodes that cannot be reached (or placed) as configured.
@@ -93,6 +97,14 @@ class Provisioner(ABC):
     def forget(self, node_rank: int) -> None:
         """Drop a lost node's connection without waiting for it (it may never answer)."""
 
+    def detach(self, node_rank: int) -> None:
+        """Let go of the node's agent without closing anything: another attempt's provisioner :meth:`adopt`\\ s it
+        (a warm agent: ``orchestrator.supervision.warm``)."""
+
+    def adopt(self, node_rank: int, handle: AgentHandle) -> None:
+        """Take on a running agent another instance started (and :meth:`detach`\\ ed), as node ``node_rank``: its
+        connection is closed and its node swept with this provisioner's from now on."""
+
     @abstractmethod
     def start_agent(self, node: NodePlan, plan: JobPlan,
                     events: "queue.Queue[tuple[int, dict]]") -> AgentHandle:
@@ -113,6 +125,7 @@ class Provisioner(ABC):
         raise ProvisionError(f"the {self.name} provisioner cannot re-attach to running agents",
                              reason="cannot re-attach")
 
-    def sweep(self, plan: JobPlan) -> list[int]:
-        """Last-resort cleanup once every agent is gone; returns pids it had to kill."""
+    def sweep(self, plan: JobPlan, spare: "Collection[int]" = ()) -> list[int]:
+        """Last-resort cleanup once every agent is gone; returns pids it had to kill. ``spare``: pids of agents
+        (and their templates) kept warm for the next attempt, not to be killed."""
         return []

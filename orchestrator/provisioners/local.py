@@ -15,6 +15,7 @@ import queue
 import signal
 import subprocess
 import sys
+from collections.abc import Collection
 from typing import Any
 
 import psutil
@@ -121,6 +122,7 @@ class LocalProvisioner(Provisioner):
 
     name = "local"
     reattaches = True
+    warm_capable = True  # its agents' handles hold their own pipes: any instance can supervise them
 
     def __init__(self, python: str | None = None) -> None:
         self.python = python or sys.executable
@@ -151,9 +153,10 @@ class LocalProvisioner(Provisioner):
         """Connect to the node's agent socket on this machine (:class:`AttachedLocalAgent`)."""
         return AttachedLocalAgent(node, plan.attempt_id, events)
 
-    def sweep(self, plan: JobPlan) -> list[int]:
-        """Kill every rank and agent of the attempt still on this machine: its nodes' cgroups
-        (``agents.cgroups``), then what carries its markers; then remove the scratch killed agents left."""
+    def sweep(self, plan: JobPlan, spare: Collection[int] = ()) -> list[int]:
+        """Kill every rank and agent of the attempt still on this machine (but the pids in ``spare``: agents kept
+        warm): its nodes' cgroups (``agents.cgroups``), then what carries its markers; then remove the scratch
+        killed agents left."""
         monitor = next((n.deepspeed_monitor_dir for n in plan.nodes if n.deepspeed_monitor_dir), None)
         return sweep_attempt(plan.attempt_id, [n.node_rank for n in plan.nodes],
-                             scratch=plan.nodes[0].metrics_dir if plan.nodes else None, monitor=monitor)
+                             scratch=plan.nodes[0].metrics_dir if plan.nodes else None, monitor=monitor, spare=spare)

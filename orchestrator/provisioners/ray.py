@@ -32,6 +32,7 @@ import queue
 import socket
 import threading
 import time
+from collections.abc import Collection
 from typing import Any
 
 from agents.link import decode, encode
@@ -357,7 +358,7 @@ class RayProvisioner(Provisioner):
         self._actors[node.node_rank] = actor
         return RayAgent(ray, node, actor, events)
 
-    def sweep(self, plan: JobPlan) -> list[int]:
+    def sweep(self, plan: JobPlan, spare: Collection[int] = ()) -> list[int]:
         """Kill what the attempt left on every live node (a task pinned there), then every actor."""
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
         ray = self.ray

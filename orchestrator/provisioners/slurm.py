@@ -26,6 +26,8 @@ started from here as above, and the allocation is cancelled when the attempt end
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import collections
 import os
 import queue
@@ -211,7 +213,7 @@ class SlurmProvisioner(Provisioner):
         """The agent step's name (``squeue -s`` shows it)."""
         return f"orch-agent-{plan.attempt_id}-{node_rank}"
 
-    def sweep(self, plan: JobPlan) -> list[int]:
+    def sweep(self, plan: JobPlan, spare: Collection[int] = ()) -> list[int]:
         """Cancel the attempt's agent steps still known to Slurm, and kill marked processes here."""
         try:
             out = _run(["squeue", "-h", "-s", "-j", self.env["SLURM_JOB_ID"], "-o", "%i %j"], self.env)

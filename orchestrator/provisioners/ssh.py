@@ -24,6 +24,7 @@ key is always an error), like OpenSSH's ``StrictHostKeyChecking=accept-new``.
 from __future__ import annotations
 
 import collections
+from collections.abc import Collection
 import getpass
 import json
 import logging
@@ -265,6 +266,7 @@ class SSHProvisioner(Provisioner):
 
     name = "ssh"
     reattaches = True
+    warm_capable = True  # an agent's handle holds its connection: another instance can adopt it
 
     def __init__(self, options: SSHOptions | None = None, python: str | None = None) -> None:
         self.options = options or SSHOptions()
@@ -404,9 +406,9 @@ class SSHProvisioner(Provisioner):
         agent.send(attach_request(plan.attempt_id, node.node_rank))
         return agent
 
-    def sweep(self, plan: JobPlan) -> list[int]:
-        """On every node still reachable, kill what the attempt left and remove the scratch a killed agent left
-        there (``python -m agents.sweep``)."""
+    def sweep(self, plan: JobPlan, spare: Collection[int] = ()) -> list[int]:
+        """On every node still reachable, kill what the attempt left (but the pids in ``spare``: agents kept warm,
+        on their nodes) and remove the scratch a killed agent left there (``python -m agents.sweep``)."""
         killed: list[int] = []
         for node in plan.nodes:
             client = self._clients.get(node.node_rank)
@@ -417,7 +419,9 @@ class SSHProvisioner(Provisioner):
                 scratch = [*(["--scratch", node.metrics_dir] if node.metrics_dir else []),
                            *(["--monitor", node.deepspeed_monitor_dir] if node.deepspeed_monitor_dir else [])]
                 out = run_remote(client, [self.python, "-m", "agents.sweep", "--agents", "--node-rank",
-                                          str(node.node_rank), *scratch, plan.attempt_id], timeout=15)
+                                          str(node.node_rank), *scratch,
+                                          *[w for pid in spare for w in ("--spare", str(pid))], plan.attempt_id],
+                                 timeout=15)
                 killed += json.loads(out or "[]")
             except (OSError, ValueError, ProvisionError, paramiko.SSHException):
                 continue
@@ -428,6 +432,18 @@ class SSHProvisioner(Provisioner):
             clients, self._clients = list(self._clients.values()), {}
         for client in clients:
             _close_quietly(client)
+
+    def detach(self, node_rank: int) -> None:
+        """Let the node's connection go without closing it (its agent stays warm for another instance)."""
+        with self._lock:
+            self._clients.pop(node_rank, None)
+
+    def adopt(self, node_rank: int, handle: AgentHandle) -> None:
+        """Hold the connection of a warm agent another instance started (an :class:`SSHAgent`) as ``node_rank``'s."""
+        client = getattr(handle, "client", None)
+        if client is not None:
+            with self._lock:
+                self._clients[node_rank] = client
 
     def forget(self, node_rank: int) -> None:
         with self._lock:

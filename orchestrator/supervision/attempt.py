@@ -47,6 +47,7 @@ from .provisioning import await_hellos, provision_failure, start_agents
 from .pruning import CheckpointPruner
 from .settings import Timings
 from .teardown import Teardown, root_cause
+from .warm import Relay, WarmPool, adopt_warm, keep_warm_for, parkable, spare_pids
 from .watches import ENDED, HeartbeatWatch, ProgressWatch
 
 __all__ = ["AttemptRun", "AttemptServices"]
@@ -62,6 +63,7 @@ class AttemptServices:
         targets: writes the attempt's Prometheus file_sd file.
         timings: heartbeats, node timeout, lease, provisioning and preflight deadlines.
         on_ended: called with the attempt once its processes are gone (the restart policy).
+        warm: where a failed attempt parks its healthy nodes' agents for the restart (:mod:`.warm`), or None.
     """
 
     store: Store
@@ -69,6 +71,7 @@ class AttemptServices:
     targets: TargetsWriter
     timings: Timings
     on_ended: Callable[["AttemptRun"], None]
+    warm: WarmPool | None = None
 
 
 class AttemptRun(AttemptMessages):
@@ -125,6 +128,9 @@ class AttemptRun(AttemptMessages):
         self._recorded_state: JobState | None = None  # adopting: the job's state in the store then
         self._stack_requests: list[dict] = []  # orch stacks: {"waiting": nodes, "answers": {node: msg}, "done": Event}
         self._stack_lock = threading.Lock()
+        self.relays: dict[int, Relay] = {}  # node rank -> its agent's relay (warm agents: .warm)
+        self.idle: dict[int, dict] = {}  # node rank -> its agent's ``idle`` (its attempt ended; it stays warm)
+        self.keep_warm_s = keep_warm_for(services.warm, spec, plan, provisioner, self.timings.keep_warm_s)
         self.pruner = CheckpointPruner(self.store, self.job_id, plan.attempt, spec, plan, self._log)
         self._thread = threading.Thread(target=self._main, name=f"attempt-{plan.attempt_id}", daemon=True)
 
@@ -160,11 +166,19 @@ class AttemptRun(AttemptMessages):
 
     def _provision(self) -> None:
         """Start every node's agent and await every hello; then the preflight round, or the start."""
-        self.agents, failures = start_agents(self.provisioner, self.plan, self.events, self.cancel_event)
+        warm = adopt_warm(self.services.warm, self.job_id, self.plan, self.provisioner, self.events)
+        for node_rank, (_, relay, idle) in warm.items():
+            self.relays[node_rank] = relay
+            self.node_state[node_rank] = "up"
+            self._event("agent_kept", {"node_rank": node_rank, "host": self._host(node_rank), "pid": idle.get("pid"),
+                                       "template": idle.get("template"), "from_attempt": idle.get("attempt_id")})
+        self.agents, failures = start_agents(self.provisioner, self.plan, self.events, self.cancel_event, self.relays,
+                                             skip=warm)
         if not failures and not self.cancel_event.is_set():
             failures, gone = await_hellos(self.events, self.agents, self.timings.provision_timeout_s,
                                           self.cancel_event, self._on_hello)
             self.node_state.update({n: "gone" for n in gone})
+        self.agents.update({n: handle for n, (handle, _, _) in warm.items()})
         if self.cancel_event.is_set():
             return self._finish_cancelled()
         if failures:
@@ -218,7 +232,7 @@ class AttemptRun(AttemptMessages):
         reattach_s = t.reattach_s if self.provisioner.reattaches else 0.0
         start_msg = {"type": "start", "attempt_id": self.plan.attempt_id, "grace": self.plan.grace,
                      "heartbeat_s": t.heartbeat_s, "lease_s": t.agent_lease_s, "reattach_s": reattach_s,
-                     "fast_start": self.spec.fast_start, "launcher": self.plan.launcher}
+                     "fast_start": self.spec.fast_start, "launcher": self.plan.launcher, "keep_warm_s": self.keep_warm_s}
         self.heartbeats.expect(n.node_rank for n in self.plan.nodes)
         for node in self.plan.nodes:
             self.agents[node.node_rank].send({**start_msg, "node": node.to_dict()})
@@ -493,12 +507,18 @@ class AttemptRun(AttemptMessages):
             hung = (cause.get("kill") or cause.get("ranks") or []) if cause.get("kind") in ("no_progress",
                                                                                           "startup_timeout") else []
             teardown = Teardown(self.agents, self.node_state, self.heartbeats, self.provisioner, self._drain,
-                                exits_known=lambda: len(self.exits) >= self.plan.world_size)
+                                exits_known=lambda: len(self.exits) >= self.plan.world_size, idle=self.idle)
             lost = teardown.stop(reason, self.plan.grace, self._failed_at, kill=hung)
             if teardown.silence_wait:  # nodes whose ranks' fate was unknown were given the node timeout
                 self._event("silence_wait", teardown.silence_wait)
             self._revise_cause(lost)
-            swept = teardown.finish(self.plan)
+            park = parkable(self.node_state, self.idle, self.relays, self.agents,
+                            {n.node_rank: n.host for n in self.plan.nodes}) \
+                if self.state == JobState.FAILED and self.keep_warm_s > 0 else {}
+            swept = teardown.finish(self.plan, keep={w.relay.node_rank for w in park.values()}, spare=spare_pids(park))
+            if park and self.services.warm is not None:
+                self.services.warm.park(self.job_id, self.plan.attempt, self.provisioner, park, self.keep_warm_s)
+                self._event("agents_parked", {"hosts": sorted(park), "keep_s": self.keep_warm_s})
             if swept:
                 self._event("swept", {"pids": swept})
         except Exception:  # noqa: BLE001 - teardown must finish

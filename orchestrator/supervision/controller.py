@@ -37,11 +37,12 @@ from .attempt import AttemptRun, AttemptServices
 from .orphans import owner_alive, recover_orphans, sweep_attempt, waits_for_nodes
 from .ports import PortLease
 from .reattach import AliveFile, take_over
-from .messages import rank_log_tail
 from .prepare import pool_of, prepare_plan, resume_dir_of
 from .queued import QueuedAttempt, allocation_size
 from .restarts import Restarts
-from .resume import check_fresh_start, check_reachable, check_world, convert, fresh_start_note, crashed_loading, find_start, rewrite_latest, tell_script
+from .warm import WarmPool
+from .resume import (check_fresh_start, check_reachable, check_world, convert, find_start, fresh_start_note,
+                     mark_if_crashed_loading, rewrite_latest, tell_script)
 from .settings import Timings, default_state_dir
 
 __all__ = ["Controller", "default_state_dir", "new_job_id"]
@@ -103,14 +104,15 @@ class Controller:
         self.metrics = ControllerMetrics(self.store)
         self.targets = TargetsWriter(Path(prometheus_targets).expanduser() if prometheus_targets
                                      else default_targets_dir(self.state_dir))
-        self.restarts = Restarts(self.store, self.owner,
-                                 lambda job_id, exclude: self.resume(job_id, exclude_hosts=exclude, automatic=True))
+        self.restarts = Restarts(self.store, self.owner, self._restart)
+        self.warm = WarmPool()  # failed attempts' healthy agents, kept for their restart (.warm)
         self._runs: dict[str, AttemptRun] = {}
         self._queued: dict[str, QueuedAttempt] = {}  # job id -> its attempt waiting for a scheduler's nodes
         self._lock = threading.Lock()
         self._key_locks: dict[str, threading.Lock] = {}  # idempotency key -> its submit's lock
         self._closed = threading.Event()
-        self._services = AttemptServices(self.store, self.metrics, self.targets, self.timings, self._attempt_ended)
+        self._services = AttemptServices(self.store, self.metrics, self.targets, self.timings, self._attempt_ended,
+                                         self.warm)
         self._watcher = threading.Thread(target=self._watch_requests, name="cancel-watcher", daemon=True)
         self._watcher.start()
 
@@ -240,6 +242,7 @@ class Controller:
         job = self.store.get_job(job_id)
         if not automatic:
             self.restarts.call_off(job.id, "resumed by hand")
+            self.warm.release(job.id)
         self._check_resumable(job)
         spec = spec_from_dict(job.spec, source=f"job {job.id}")
         if exclude_hosts:
@@ -401,6 +404,7 @@ class Controller:
         """
         job = self.store.get_job(job_id)
         if job.state.is_terminal():
+            self.warm.release(job.id)
             if not self.restarts.call_off(job.id, reason) and owner_alive(job.owner) \
                     and job.owner != self.owner:
                 self.store.request_cancel(job.id)  # its controller may have a restart pending
@@ -471,29 +475,20 @@ class Controller:
         """After an attempt stopped: mark its start checkpoint bad if a rank crashed loading it, then restart
         the job later if its policy says so."""
         try:
-            self._mark_if_crashed_loading(run)
+            mark_if_crashed_loading(self.store, run.plan, resume_dir_of(run.spec, self.state_dir, run.job_id))
         except Exception:  # noqa: BLE001 - the store is closing at shutdown: nothing to mark, the restart decides
             pass
-        if not self._closed.is_set():
-            self.restarts.apply(run.job_id, run.spec, run.plan.attempt)
+        if self._closed.is_set() or not self.restarts.apply(run.job_id, run.spec, run.plan.attempt):
+            self.warm.release(run.job_id)  # no restart: the agents kept for one end now
 
-    def _mark_if_crashed_loading(self, run: AttemptRun) -> None:
-        """A resumed attempt whose failing rank died in checkpoint-loading code (:func:`~.resume.crashed_loading`)
-        before any rank reported a training step marks that tag bad: no resume, automatic or by
-        hand, starts from it again until it is saved again (event ``checkpoint_marked_bad``)."""
-        plan, job = run.plan, self.store.get_job(run.job_id)
-        cause = job.cause or {}
-        cause = cause.get("first_symptom", cause)
-        if not plan.resume_tag or job.state != JobState.FAILED or cause.get("kind") != "rank_exit":
-            return
-        start = plan.resume_universal_from or plan.resume_tag
-        line = crashed_loading(rank_log_tail(plan.to_dict(), int(cause["global_rank"]), lines=80))
-        if line is None or self.store.latest_progress(job.id, plan.attempt):  # a step means it had loaded
-            return
-        root = resume_dir_of(run.spec, self.state_dir, job.id)
-        reason = (f"rank {cause['global_rank']} of attempt {plan.attempt} crashed loading it ({line})")
-        self.store.mark_checkpoint_bad(job.id, plan.attempt, root, start, reason)
-        self.store.add_event(job.id, plan.attempt, "checkpoint_marked_bad", {"tag": start, "reason": reason})
+    def _restart(self, job_id: str, exclude: list[str]) -> Any:
+        """An automatic restart (the restart policy's): :meth:`resume`; the agents kept warm for it end if it
+        cannot start."""
+        try:
+            return self.resume(job_id, exclude_hosts=exclude, automatic=True)
+        except BaseException:
+            self.warm.release(job_id)
+            raise
 
     def recover(self) -> list[str]:
         """Fail the jobs whose controller died while they ran (see :func:`recover_orphans`).
@@ -532,6 +527,7 @@ class Controller:
         """Stop serving: cancel (or leave) every attempt this controller runs, wait for them."""
         self._closed.set()
         self.restarts.close()
+        self.warm.close()
         with self._lock:
             queued = list(self._queued.values())
         for waiting in queued:  # first: a queued attempt granted meanwhile becomes a run

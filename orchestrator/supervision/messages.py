@@ -132,6 +132,10 @@ class AttemptMessages:
     def _on_stopped(self, node_rank: int, msg: dict) -> None:
         self.node_state[node_rank] = "stopped"
 
+    def _on_idle(self, node_rank: int, msg: dict) -> None:
+        """The agent's attempt is over on its node (its processes gone) and it stays up for the next (:mod:`.warm`)."""
+        self.idle[node_rank] = msg
+
     def _on_stopping(self, node_rank: int, msg: dict) -> None:
         if msg.get("taken_by") == "slurm":  # its srun step got SIGTERM: Slurm takes the node away
             self._fail({"kind": "node_lost", "node": self._host(node_rank), "node_rank": node_rank,
@@ -207,6 +211,7 @@ class AttemptMessages:
         "rank_exit": (_on_rank_exit, True),
         "done": (_on_done, True),
         "stopped": (_on_stopped, True),
+        "idle": (_on_idle, True),
         "stopping": (_on_stopping, False),
         "spawn_failed": (_on_spawn_failed, False),
         "error": (_on_error, False),

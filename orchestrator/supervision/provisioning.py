@@ -10,19 +10,21 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ..errors import ProvisionError
 from ..planning import JobPlan
 from ..provisioners import AgentHandle, Provisioner
+from .warm import Relay
 
 __all__ = ["start_agents", "await_hellos", "provision_failure"]
 
 
 def start_agents(provisioner: Provisioner, plan: JobPlan, events: "queue.Queue[tuple[int, dict]]",
-                 cancelled: threading.Event) -> tuple[dict[int, AgentHandle], dict[int, ProvisionError]]:
+                 cancelled: threading.Event, relays: dict[int, Relay] | None = None,
+                 skip: Collection[int] = ()) -> tuple[dict[int, AgentHandle], dict[int, ProvisionError]]:
     """Start every node's agent in parallel (at most ``provisioner.max_parallel`` at once).
 
     Args:
@@ -30,6 +32,9 @@ def start_agents(provisioner: Provisioner, plan: JobPlan, events: "queue.Queue[t
         plan: the attempt's plan (its nodes).
         events: where every agent's messages go, as ``(node rank, message)``.
         cancelled: set when the attempt is cancelled (nodes not started yet are skipped).
+        relays: where given, each agent's link delivers through a :class:`~.warm.Relay` (node rank -> it, filled
+            here), so a warm agent can be handed to the next attempt.
+        skip: nodes not to start (their agents were kept warm).
 
     Returns:
         ``(agents, failures)``: node rank -> handle of each started agent; node rank -> the error of
@@ -41,14 +46,17 @@ def start_agents(provisioner: Provisioner, plan: JobPlan, events: "queue.Queue[t
     def start(node: Any) -> None:
         if cancelled.is_set():
             return
+        sink: Any = events
+        if relays is not None:
+            sink = relays[node.node_rank] = Relay(events, node.node_rank)
         try:
-            agents[node.node_rank] = provisioner.start_agent(node, plan, events)
+            agents[node.node_rank] = provisioner.start_agent(node, plan, sink)
         except ProvisionError as err:
             failures[node.node_rank] = err
 
     workers = max(1, min(len(plan.nodes), getattr(provisioner, "max_parallel", 64)))
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="provision") as pool:
-        list(pool.map(start, plan.nodes))
+        list(pool.map(start, [n for n in plan.nodes if n.node_rank not in skip]))
     return agents, failures
 
 

@@ -19,11 +19,13 @@ from ..checkpoints.integrity import Choice
 from ..errors import CheckpointError
 from ..observe.checkpoints import job_choice
 from ..spec import JobSpec
-from ..store import Store
+from ..planning import JobPlan
+from ..store import JobState, Store
+from .messages import rank_log_tail
 from .prepare import rank_python, resume_dir_of
 from .settings import env_seconds
 
-__all__ = ["check_fresh_start", "check_reachable", "check_world", "fresh_start_note", "convert", "find_start", "tell_script", "LOAD_FRAMES",
+__all__ = ["mark_if_crashed_loading", "check_fresh_start", "check_reachable", "check_world", "fresh_start_note", "convert", "find_start", "tell_script", "LOAD_FRAMES",
            "crashed_loading"]
 
 
@@ -228,3 +230,21 @@ def _has_entries(directory: Path) -> bool:
         return any(not e.name.startswith(".") for e in directory.iterdir())
     except OSError:
         return False
+
+
+def mark_if_crashed_loading(store: Store, plan: JobPlan, root: str) -> None:
+    """A resumed attempt (``plan``) whose failing rank died in checkpoint-loading code (:func:`crashed_loading`)
+    before any rank reported a training step marks that tag bad in ``root`` (the job's resume directory): no
+    resume, automatic or by hand, starts from it again until it is saved again (event ``checkpoint_marked_bad``)."""
+    job = store.get_job(plan.job_id)
+    cause = job.cause or {}
+    cause = cause.get("first_symptom", cause)
+    if not plan.resume_tag or job.state != JobState.FAILED or cause.get("kind") != "rank_exit":
+        return
+    start = plan.resume_universal_from or plan.resume_tag
+    line = crashed_loading(rank_log_tail(plan.to_dict(), int(cause["global_rank"]), lines=80))
+    if line is None or store.latest_progress(job.id, plan.attempt):  # a step means it had loaded
+        return
+    reason = f"rank {cause['global_rank']} of attempt {plan.attempt} crashed loading it ({line})"
+    store.mark_checkpoint_bad(job.id, plan.attempt, root, start, reason)
+    store.add_event(job.id, plan.attempt, "checkpoint_marked_bad", {"tag": start, "reason": reason})

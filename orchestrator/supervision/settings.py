@@ -39,6 +39,9 @@ class Timings:
         reattach_s: how long an agent whose link closed keeps its ranks running for a new controller to
             re-attach (``agents.attach``); 0: it stops them at once (a controller no successor can follow,
             such as ``orch run``'s, sends 0).
+        keep_warm_s: how long the agents of a failed attempt's healthy nodes (and their fork-server templates)
+            stay up for the restart of a job with a restart policy (``orchestrator.supervision.warm``); 0: they
+            end with their attempt.
     """
 
     heartbeat_s: float = 0.5
@@ -48,17 +51,20 @@ class Timings:
     preflight_timeout_s: float = 60.0
     hang_floor_s: float = 300.0
     reattach_s: float = 60.0
+    keep_warm_s: float = 60.0
 
     @classmethod
     def from_env(cls, heartbeat_s: float | None = None, node_timeout_s: float | None = None,
                  agent_lease_s: float | None = None) -> "Timings":
         """The given values, else ``$ORCH_HEARTBEAT_S``, ``$ORCH_NODE_TIMEOUT_S``, ``$ORCH_AGENT_LEASE_S``,
         ``$ORCH_PROVISION_TIMEOUT_S``, ``$ORCH_PREFLIGHT_TIMEOUT_S``, ``$ORCH_HANG_FLOOR_S``,
-        ``$ORCH_AGENT_REATTACH_S``, else the defaults above."""
+        ``$ORCH_AGENT_REATTACH_S``, ``$ORCH_KEEP_WARM_S`` (``0`` turns warm agents off), else the defaults above."""
         return cls(heartbeat_s=heartbeat_s or env_seconds("ORCH_HEARTBEAT_S", cls.heartbeat_s),
                    node_timeout_s=node_timeout_s or env_seconds("ORCH_NODE_TIMEOUT_S", cls.node_timeout_s),
                    agent_lease_s=agent_lease_s or env_seconds("ORCH_AGENT_LEASE_S", cls.agent_lease_s),
                    provision_timeout_s=env_seconds("ORCH_PROVISION_TIMEOUT_S", cls.provision_timeout_s),
                    preflight_timeout_s=env_seconds("ORCH_PREFLIGHT_TIMEOUT_S", cls.preflight_timeout_s),
                    hang_floor_s=env_seconds("ORCH_HANG_FLOOR_S", cls.hang_floor_s),
-                   reattach_s=env_seconds("ORCH_AGENT_REATTACH_S", cls.reattach_s))
+                   reattach_s=env_seconds("ORCH_AGENT_REATTACH_S", cls.reattach_s),
+                   keep_warm_s=0.0 if os.environ.get("ORCH_KEEP_WARM_S", "").strip() in ("0", "0.0")
+                   else env_seconds("ORCH_KEEP_WARM_S", cls.keep_warm_s))

@@ -35,12 +35,14 @@ class Teardown:
         drain: reads and handles every message waiting from the agents, without waiting.
         clock: monotonic seconds.
         exits_known: whether every rank's exit is known (then no node is waited for after a failure).
+        idle: node rank -> its agent's ``idle`` message (filled by ``drain``): the agent's attempt is over and it
+            stays up for the next (``orchestrator.supervision.warm``), so its process is not waited for.
     """
 
     def __init__(self, agents: Mapping[int, AgentHandle], node_state: dict[int, str], heartbeats: HeartbeatWatch,
                  provisioner: Provisioner, drain: Callable[[], None],
                  clock: Callable[[], float] = time.monotonic,
-                 exits_known: Callable[[], bool] = lambda: False) -> None:
+                 exits_known: Callable[[], bool] = lambda: False, idle: Mapping[int, dict] | None = None) -> None:
         self.agents = agents
         self.node_state = node_state
         self.heartbeats = heartbeats
@@ -48,6 +50,7 @@ class Teardown:
         self.drain = drain
         self.clock = clock
         self.exits_known = exits_known
+        self.idle = idle if idle is not None else {}
         #: The wait for silent nodes after a failure, when there was one: ``{"nodes": [node ranks waited
         #: for], "seconds"}`` (the attempt records it as a ``silence_wait`` event); None when none was needed.
         self.silence_wait: dict[str, Any] | None = None
@@ -75,8 +78,9 @@ class Teardown:
         deadline = self.clock() + grace_s + STOP_SLACK_S
         for node_rank, handle in self._live.items():
             # "stopped" is the agent's last word (sent once its ranks and their leftovers are gone): its own
-            # exit is not waited for ("done" is followed by its cleanup, which is)
-            while self.node_state[node_rank] != "stopped" and not handle.wait(0.1) and self.clock() < deadline:
+            # exit is not waited for ("done" is followed by its cleanup, which is; a warm agent then says "idle")
+            while self.node_state[node_rank] != "stopped" and node_rank not in self.idle and not handle.wait(0.1) \
+                    and self.clock() < deadline:
                 self.drain()
                 if node_rank in self._lost_while_stopping():
                     break
@@ -97,15 +101,23 @@ class Teardown:
         sender.start()
         sender.join(0.5)
 
-    def finish(self, plan: JobPlan) -> list[int]:
+    def finish(self, plan: JobPlan, keep: Collection[int] = (), spare: Collection[int] = ()) -> list[int]:
         """Close every live agent's link (kill one that does not end in 0.5 s), sweep every process
-        still marked with the attempt, close the provisioner; returns the swept pids."""
-        for handle in self._live.values():
+        still marked with the attempt, close the provisioner; returns the swept pids. ``keep``: nodes whose agents
+        stay up for the next attempt (not closed; their connections stay with the provisioner, which is then left
+        open), ``spare``: their pids (and their templates'), which the sweep leaves alive."""
+        live = {n: h for n, h in self._live.items() if n not in keep}
+        for handle in live.values():
             handle.close()
+        for handle in live.values():
             if not handle.wait(0.5):
                 handle.kill()
-        swept = self.provisioner.sweep(plan)
-        self.provisioner.close()
+        swept = self.provisioner.sweep(plan, spare=spare)
+        if not keep:
+            self.provisioner.close()
+        else:
+            for node_rank in set(self.agents) - set(keep):
+                self.provisioner.forget(node_rank)
         return swept
 
     def _lost(self) -> set[int]:
