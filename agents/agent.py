@@ -284,6 +284,7 @@ class Agent:
             self.fast_start, [r["argv"] for r in self.node["ranks"]], envs, self.node["workdir"],
             os.path.join(self.node["log_dir"], f"forkserver-node{self.node['node_rank']}.log"),
             launcher=self._launcher_name, native=bool(self.native), warm=self.template)
+        warm = self.template
         if self.template is not None and server is not self.template:
             self.template.close()  # (not this attempt's: another Python, import-time variable, or fast_start off)
         self.template = server if self.keep_warm_s > 0 and server is not None else None
@@ -292,6 +293,8 @@ class Agent:
         # auto's choice is no fault of the job's: said in the started message (the ranks_started event, orch
         # status) and the agent's log, not as a warning on every MPI, native or plain-script job
         self._fast_start_note = {"mode": self.fast_start, "forked": server is not None,
+                                 **({"template": server.popen.pid, "kept": server is warm} if server and server.popen
+                                    else {}),
                                  **({"why": why, "job_wide": bool(job_wide)} if why else {})}
         if why:
             print(f"fast_start {self.fast_start}: the ranks on {self.node['host']} are started as new processes, "

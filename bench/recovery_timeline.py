@@ -11,6 +11,11 @@ the failing rank's exit, as the controller recorded it):
 * ``running``: every node of attempt 2 started its ranks;
 * ``first step``: the first step any rank of attempt 2 reported.
 
+Each round runs the job twice, interleaved: with warm agents (the default: attempt 1's agents and their
+fork-server templates are kept for the restart, ``orchestrator.supervision.warm``) and cold
+(``ORCH_KEEP_WARM_S=0``: the restart starts new agents, whose templates import torch and DeepSpeed again);
+the table gives both and their ratio.
+
     python bench/recovery_timeline.py --rounds 3
 """
 
@@ -46,12 +51,13 @@ def _spec(work: Path) -> dict:
             "restart": {"max_restarts": 1, "backoff_seconds": 0}}
 
 
-def one_round(work: Path) -> dict[str, float]:
-    """Run the job once; the milestones after the failing rank's exit (seconds)."""
+def one_round(work: Path, warm: bool = True) -> dict[str, float]:
+    """Run the job once (``warm``: with warm agents, else ``ORCH_KEEP_WARM_S=0``); the milestones after the
+    failing rank's exit (seconds)."""
     work.mkdir(parents=True)
     spec = work / "job.yaml"
     spec.write_text(yaml.safe_dump(_spec(work)))
-    env = {**os.environ, "ORCH_STATE_DIR": str(work / "state")}
+    env = {**os.environ, "ORCH_STATE_DIR": str(work / "state"), "ORCH_KEEP_WARM_S": "60" if warm else "0"}
     r = subprocess.run([sys.executable, "-m", "orchestrator", "run", str(spec)], env=env, capture_output=True,
                        text=True, timeout=600)
     if r.returncode != 0:
@@ -78,17 +84,23 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
-    rows = []
+    rows: dict[str, list[dict[str, float]]] = {"warm": [], "cold": []}
     with tempfile.TemporaryDirectory(prefix="orch-recovery-") as tmp:
         for i in range(args.rounds):
-            t = time.monotonic()
-            rows.append(one_round(Path(tmp) / f"r{i}"))
-            print(f"round {i + 1}: " + ", ".join(f"{k} {v:.2f}" for k, v in rows[-1].items())
-                  + f" ({time.monotonic() - t:.0f} s)", flush=True)
-    print("| milestone (s after the crash) | min | median | max |\n|---|---|---|---|")
-    for key in rows[0]:
-        values = [r[key] for r in rows]
-        print(f"| {key} | {min(values):.2f} | {statistics.median(values):.2f} | {max(values):.2f} |")
+            for kind in ("warm", "cold"):
+                t = time.monotonic()
+                rows[kind].append(one_round(Path(tmp) / f"r{i}-{kind}", warm=kind == "warm"))
+                print(f"round {i + 1} {kind}: " + ", ".join(f"{k} {v:.2f}" for k, v in rows[kind][-1].items())
+                      + f" ({time.monotonic() - t:.0f} s)", flush=True)
+    print("| milestone (s after the crash) | warm agents: min / median / max | cold (ORCH_KEEP_WARM_S=0): "
+          "min / median / max | warm / cold (medians) |\n|---|---|---|---|")
+    for key in rows["warm"][0]:
+        cells = []
+        for kind in ("warm", "cold"):
+            values = [r[key] for r in rows[kind]]
+            cells.append(f"{min(values):.2f} / {statistics.median(values):.2f} / {max(values):.2f}")
+        w, c = (statistics.median(r[key] for r in rows[k]) for k in ("warm", "cold"))
+        print(f"| {key} | {cells[0]} | {cells[1]} | {w / c:.2f} |" if c >= 0.01 else f"| {key} | {cells[0]} | {cells[1]} | - |")
     return 0
 
 

@@ -26,6 +26,7 @@ from typing import Any
 
 import psutil
 import pytest
+import yaml
 
 from conftest import ROOT, assert_no_leftovers, job_processes, wait_for
 from orchestrator.checkpoints import inspect_tag, latest_complete
@@ -726,6 +727,36 @@ def test_lost_node_resumes_on_a_spare_from_the_last_complete_checkpoint(orch, wr
         assert inspect_tag(ckpt / tag_).complete, tag_
     assert_no_leftovers(job_id, timeout=1)
     _assert_hosts_clean(net4)
+
+
+def test_a_crashed_rank_restarts_on_the_agents_kept_on_every_host(orch, write_spec, hostfile, net3, tmp_path) -> None:
+    """Warm agents over SSH (issue 18 item 2): rank 1 raises at step 8 of attempt 1; the restart runs on the same
+    three agents (no new SSH session, no hello), their ranks forked from the templates kept, and resumes from the
+    last checkpoint; every host is clean at the end."""
+    steps, interval = 12, 4
+    spec = _train_spec(write_spec, hostfile, net3, tmp_path, steps=steps, interval=interval, name="warm",
+                       restart={"max_restarts": 1, "backoff_seconds": 0}, fast_start="auto")
+    fields = yaml.safe_load(spec.read_text())
+    fields["args"] += ["--fail-at-step", "8", "--fail-rank", "1"]
+    spec.write_text(yaml.safe_dump(fields))
+    r = orch("run", str(spec), timeout=600)
+    assert r.returncode == 0, _out(r)
+    job_id = orch.json("list")[0]["id"]
+    done = orch.json("status", job_id)
+    assert [a["state"] for a in done["attempts"]] == ["FAILED", "SUCCEEDED"]
+    assert done["attempts"][1]["resume_tag"] == "step_8"
+    store = _store(orch)
+    events = store.events(job_id)
+    first = {e.data["host"]: e.data["pid"] for e in events if e.kind == "agent_up"}
+    kept = {e.data["host"]: e.data["pid"] for e in events if e.kind == "agent_kept"}
+    assert sorted(first) == sorted(net3.names) and kept == first  # every attempt-2 node on its attempt-1 agent
+    assert [e for e in events if e.kind == "agent_up" and e.attempt == 2] == []
+    started = [e.data["fast_start"] for e in events if e.kind == "ranks_started" and e.attempt == 2]
+    assert len(started) == 3 and all(f["forked"] and f["kept"] for f in started), started
+    resumed = _losses(Path(done["run_dir"]))
+    assert sorted(resumed) == [(rank, s) for rank in range(3) for s in range(9, steps + 1)]
+    assert_no_leftovers(job_id, timeout=1)
+    _assert_hosts_clean(net3)
 
 
 # --------------------------------------------------------------------------- 7. cancel over SSH

@@ -139,3 +139,34 @@ def test_a_lost_node_is_replaced_and_the_rest_kept(orch, write_spec, hostfile, t
     assert second["node-0"] == first["node-0"] and second["spare"] != victim
     assert [e.data["host"] for e in orch.events(job_id, "agent_kept")] == ["node-0"]
     assert_no_leftovers(job_id)
+
+
+TORCH_SCRIPT = textwrap.dedent("""
+    import os, sys
+    import torch
+    n = int(os.environ["ORCH_RESTART_COUNT"])
+    print(f"step=1 loss={float(torch.ones(1).sum())} restart={n}", flush=True)
+    if n == 0 and os.environ["RANK"] == "1":
+        sys.exit(3)
+""")
+
+
+def test_the_restart_forks_its_ranks_from_the_template_kept(orch, write_spec, hostfile, tmp_path) -> None:
+    """fast_start on: attempt 2's ranks are forked from the templates attempt 1's agents started (nothing imports
+    torch again), and the templates end with the job."""
+    (tmp_path / "flaky_torch.py").write_text(TORCH_SCRIPT)
+    spec = write_spec(name="warmfork", hostfile=str(hostfile("node-0 slots=1\nnode-1 slots=1\n")),
+                      workdir=str(tmp_path), entrypoint="flaky_torch.py", fast_start="on", stop_grace_seconds=2,
+                      restart={"max_restarts": 1, "backoff_seconds": 0}, env={"DS_ACCELERATOR": "cpu"})
+    r = orch("run", str(spec), timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    (job,) = orch.json("list")
+    started = {(e.attempt, e.data["host"]): e.data["fast_start"] for e in orch.events(job["id"], "ranks_started")}
+    for host in ("node-0", "node-1"):
+        first, second = started[(1, host)], started[(2, host)]
+        assert first["forked"] and second["forked"] and not first["kept"] and second["kept"]
+        assert second["template"] == first["template"]
+    kept = {e.data["host"]: e.data["template"] for e in orch.events(job["id"], "agent_kept")}
+    assert kept == {host: started[(1, host)]["template"] for host in ("node-0", "node-1")}
+    assert_no_leftovers(job["id"])
+    assert not [p for p in psutil.process_iter(["pid"]) if p.pid in kept.values()]
