@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Collection
+import functools
 import getpass
+import importlib
 import json
 import logging
 import os
@@ -37,9 +39,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
-
-import paramiko
+from typing import TYPE_CHECKING, Any
 
 from agents.attach import attach_request
 from agents.link import MessageReader, MessageWriter
@@ -51,6 +51,22 @@ from ..spec import SSHOptions
 from .base import AgentHandle, Provisioner
 
 __all__ = ["SSHProvisioner", "SSHAgent", "SSHTarget"]
+
+
+class _ImportedOnUse:
+    """A module, imported when one of its names is first used (then as fast as an attribute lookup can be)."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(importlib.import_module(self._name), attr)
+
+
+if TYPE_CHECKING:
+    import paramiko
+else:  # paramiko's import (with cryptography, nacl and invoke) is ~0.1 s, which orch plan does without
+    paramiko = _ImportedOnUse("paramiko")
 
 # paramiko reports dropped connections through logging; without a handler Python would
 # print them to stderr. orch reports them itself (as a node lost).
@@ -85,34 +101,46 @@ class SSHTarget:
     timeout: float
 
 
-class _AcceptNew(paramiko.MissingHostKeyPolicy):
-    """Add an unknown host key to known_hosts (a changed key never gets here: paramiko
-    raises BadHostKeyException first), appending one line under a lock."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-
-    def missing_host_key(self, client: paramiko.SSHClient, hostname: str, key: paramiko.PKey) -> None:
-        client.get_host_keys().add(hostname, key.get_name(), key)
-        with _KNOWN_HOSTS_LOCK:
-            os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-            with open(self.path, "a") as f:
-                f.write(f"{hostname} {key.get_name()} {key.get_base64()}\n")
+def _host_key_policy(t: SSHTarget) -> paramiko.MissingHostKeyPolicy:
+    """What to do with a host key known_hosts lacks: add it (``accept_new``) or refuse the host."""
+    accept_new, reject = _host_key_policies()
+    return accept_new(t.known_hosts) if t.accept_new else reject(t)
 
 
-class _Reject(paramiko.MissingHostKeyPolicy):
-    def __init__(self, target: SSHTarget) -> None:
-        self.target = target
+@functools.cache
+def _host_key_policies() -> tuple[type, type]:
+    """The two policies' classes, made on first use (they are paramiko's :class:`MissingHostKeyPolicy`)."""
+    import paramiko
 
-    def missing_host_key(self, client: paramiko.SSHClient, hostname: str, key: paramiko.PKey) -> None:
-        t = self.target
-        reason = (f"its host key is unknown: it is not in {t.known_hosts}. Add it after checking it (e.g. "
-                  f"ssh-keyscan -p {t.port} HOST >> {t.known_hosts}), or set ssh.host_key_policy: accept-new in "
-                  "the job spec.")
-        raise ProvisionError(f"the host key of {t.host} ({hostname}) is unknown: it is not in {t.known_hosts}. "
-                             f"Add it after checking it (e.g. ssh-keyscan -p {t.port} {t.hostname} >> "
-                             f"{t.known_hosts}), or set ssh.host_key_policy: accept-new in the job spec.",
-                             reason=reason)
+    class _AcceptNew(paramiko.MissingHostKeyPolicy):
+        """Add an unknown host key to known_hosts (a changed key never gets here: paramiko
+        raises BadHostKeyException first), appending one line under a lock."""
+
+        def __init__(self, path: str) -> None:
+            self.path = path
+
+        def missing_host_key(self, client: paramiko.SSHClient, hostname: str, key: paramiko.PKey) -> None:
+            client.get_host_keys().add(hostname, key.get_name(), key)
+            with _KNOWN_HOSTS_LOCK:
+                os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+                with open(self.path, "a") as f:
+                    f.write(f"{hostname} {key.get_name()} {key.get_base64()}\n")
+
+    class _Reject(paramiko.MissingHostKeyPolicy):
+        def __init__(self, target: SSHTarget) -> None:
+            self.target = target
+
+        def missing_host_key(self, client: paramiko.SSHClient, hostname: str, key: paramiko.PKey) -> None:
+            t = self.target
+            reason = (f"its host key is unknown: it is not in {t.known_hosts}. Add it after checking it (e.g. "
+                      f"ssh-keyscan -p {t.port} HOST >> {t.known_hosts}), or set ssh.host_key_policy: accept-new "
+                      "in the job spec.")
+            raise ProvisionError(f"the host key of {t.host} ({hostname}) is unknown: it is not in "
+                                 f"{t.known_hosts}. Add it after checking it (e.g. ssh-keyscan -p {t.port} "
+                                 f"{t.hostname} >> {t.known_hosts}), or set ssh.host_key_policy: accept-new in the "
+                                 "job spec.", reason=reason)
+
+    return _AcceptNew, _Reject
 
 
 class _ChannelStream:
@@ -278,7 +306,9 @@ class SSHProvisioner(Provisioner):
 
     # -- configuration ------------------------------------------------------------------------
 
-    def _load_config(self) -> paramiko.SSHConfig:
+    def _load_config(self) -> paramiko.SSHConfig | None:
+        """The ssh config read, or None where there is none (an empty one is made when a host is first looked
+        up: ``orch plan --offline`` looks none up, and does without paramiko's import)."""
         path = self.options.config_file or os.path.expanduser("~/.ssh/config")
         if self.options.config_file and not os.path.isfile(path):
             raise ProvisionError(f"ssh.config_file {path} does not exist.")
@@ -287,10 +317,12 @@ class SSHProvisioner(Provisioner):
                 return paramiko.SSHConfig.from_path(path)
             except (OSError, ValueError, paramiko.SSHException) as err:
                 raise ProvisionError(f"Cannot read ssh config {path}: {err}.") from err
-        return paramiko.SSHConfig()
+        return None
 
     def target(self, host: str) -> SSHTarget:
         """How ``host`` is reached: the spec's ``ssh`` options over the ssh config over defaults."""
+        if self._config is None:
+            self._config = paramiko.SSHConfig()
         conf = self._config.lookup(host)
         o = self.options
         identity = (o.identity_file,) if o.identity_file else tuple(
@@ -342,7 +374,7 @@ class SSHProvisioner(Provisioner):
                 client.load_host_keys(t.known_hosts)
             except (OSError, paramiko.SSHException) as err:
                 raise ProvisionError(f"cannot read known_hosts {t.known_hosts}: {err}") from err
-        client.set_missing_host_key_policy(_AcceptNew(t.known_hosts) if t.accept_new else _Reject(t))
+        client.set_missing_host_key_policy(_host_key_policy(t))
         try:
             client.connect(t.hostname, port=t.port, username=t.user, key_filename=list(t.identity_files) or None,
                            look_for_keys=not t.identity_files, allow_agent=True, timeout=t.timeout,

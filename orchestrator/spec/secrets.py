@@ -10,8 +10,11 @@ real values: only what is shown, and what orch records outside its 0600 store, i
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import fnmatch
+import itertools
+import operator
 import re
 import shlex
 from collections.abc import Mapping
@@ -78,26 +81,85 @@ def _children(obj: Any) -> Iterable[Any]:
     return []
 
 
+#: a dataclass that is not a mapping -> the names of its fields to look into (those :func:`_children` gives);
+#: any other type -> None
+_DATACLASS_FIELDS: dict[type, tuple[str, ...] | None] = {}
+
+
+def _dataclass_fields(kind: type) -> tuple[str, ...] | None:
+    """The names of the fields to look into of a dataclass ``kind`` that is not a mapping (found once), else None."""
+    if kind not in _DATACLASS_FIELDS:
+        plain = dataclasses.is_dataclass(kind) and not issubclass(kind, Mapping)
+        _DATACLASS_FIELDS[kind] = tuple(f.name for f in dataclasses.fields(kind)
+                                        if f.name not in _PATHS_NOT_VALUES) if plain else None
+    return _DATACLASS_FIELDS[kind]
+
+
+def _note_keys(mapping: Mapping, keys: Iterable[Any], secret: Callable[[str], bool], plain: set[str],
+               found: set[tuple[str, str]]) -> None:
+    """Add ``(name, value)`` of each secret variable among ``keys`` of ``mapping`` to ``found``, and each
+    name that is not secret to ``plain``."""
+    for k in keys:
+        if not isinstance(k, str) or k in _PATHS_NOT_VALUES:
+            continue
+        if not secret(k):
+            plain.add(k)
+        elif isinstance(mapping[k], str) and mapping[k]:
+            found.add((k, mapping[k]))
+
+
+def _add_containers(values: Iterable[Any], out: dict[type, list]) -> None:
+    """Add the ``values`` that are not leaves (:data:`_LEAVES`) to ``out``'s list of their type."""
+    values = list(values)
+    kinds = set(map(type, values))
+    if len(kinds) == 1:  # (a column of one field of a group of dataclasses, the items of tuples...: in one step)
+        kind = kinds.pop()
+        if kind not in _LEAVES:
+            out[kind].extend(values)
+    elif not kinds <= _LEAVES:
+        for c in values:
+            if type(c) not in _LEAVES:
+                out[type(c)].append(c)
+
+
 def _secret_pairs(obj: Any, patterns: tuple[str, ...]) -> set[tuple[str, str]]:
-    """``(name, value)`` of every secret variable in ``obj``'s mappings (dataclasses, dicts, lists, nested)."""
+    """``(name, value)`` of every secret variable in ``obj``'s mappings (dataclasses, dicts, lists, nested).
+
+    Walked a level at a time, each level's objects grouped by type: a plan of 32,768 ranks is 32,768 rank
+    dataclasses, their 32,768 argv tuples and 32,768 environments of the same few dozen names, and a group is
+    looked into by C-level iteration (the names of all its dicts against those seen not to be secret, the types
+    of all its values against :data:`_LEAVES`) unless that finds something to look at one by one. Any type but
+    dicts, lists, tuples and dataclasses that are not mappings is looked into one by one (:func:`_children`)."""
     found: set[tuple[str, str]] = set()
     secret = _secret_names(patterns)
     plain: set[str] = set()  # names seen not to be secret: a dict's other keys are found by a set difference
-    stack = [obj]
-    while stack:
-        item = stack.pop()
-        if type(item) is tuple or type(item) is list:  # (an argv: skipped in one pass, without _children)
-            stack.extend(c for c in item if type(c) not in _LEAVES)
-            continue
-        if _is_mapping(item):
-            for k in (item.keys() - plain if type(item) is dict else item.keys()):
-                if not isinstance(k, str) or k in _PATHS_NOT_VALUES:
-                    continue
-                if not secret(k):
-                    plain.add(k)
-                elif isinstance(item[k], str) and item[k]:
-                    found.add((k, item[k]))
-        stack.extend(c for c in _children(item) if type(c) not in _LEAVES)
+    leaves, chain = _LEAVES, itertools.chain.from_iterable
+    level: dict[type, list] = collections.defaultdict(list)
+    _add_containers([obj], level)
+    while level:
+        groups, level = level, collections.defaultdict(list)
+        for kind, items in groups.items():
+            if kind is tuple or kind is list:
+                if not leaves.issuperset(map(type, chain(items))):  # (else: argvs, slots: nothing to look into)
+                    for t in items:
+                        if not leaves.issuperset(map(type, t)):
+                            _add_containers(t, level)
+            elif kind is dict:
+                if not plain.issuperset(chain(items)):
+                    for d in items:
+                        if not plain.issuperset(d):
+                            _note_keys(d, d.keys() - plain, secret, plain, found)
+                if not leaves.issuperset(map(type, chain(map(dict.values, items)))):
+                    for d in items:
+                        _add_containers((v for k, v in d.items() if k not in _PATHS_NOT_VALUES), level)
+            elif _dataclass_fields(kind) is not None:
+                for name in _dataclass_fields(kind):
+                    _add_containers(map(operator.attrgetter(name), items), level)
+            else:
+                for item in items:
+                    if _is_mapping(item):
+                        _note_keys(item, item.keys(), secret, plain, found)
+                    _add_containers(_children(item), level)
     return found
 
 
