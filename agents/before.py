@@ -29,8 +29,9 @@ class BeforeStart:
         writer: where messages to the controller go.
         inbox: messages from the controller.
         base_env: the node's environment (ranks' environments are laid over it).
-        warm: between two attempts (:func:`stay_warm`): what the ended attempt's controller still sends (a ``stop``
-            that crossed the agent's ``idle``, a ``dump``) is ignored; only end of stream releases the agent.
+        warm: between two attempts (:func:`stay_warm`): a ``stop`` (one that crossed the agent's ``idle``, or a
+            cancel before the next start) is answered ``stopped`` (nothing runs), other messages of the ended
+            attempt (a ``dump``) are ignored; only end of stream releases the agent.
     """
 
     def __init__(self, writer: MessageWriter, inbox: "queue.Queue[tuple[Any, dict]]",
@@ -66,6 +67,9 @@ class BeforeStart:
                 return msg
             if kind == "eof" or (kind == "stop" and not self.warm):
                 return None  # the controller gave up on this attempt before it started
+            if kind == "stop":  # warm: nothing runs here; whoever asks is told so (the link's end releases us)
+                self.writer.send({"type": "stopped", "reason": msg.get("reason", "stop requested"), "exits": {}})
+                continue
             if kind == "preflight":
                 self._preflight(msg)
             elif kind != "ping" and not self.warm:

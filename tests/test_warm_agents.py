@@ -147,6 +147,8 @@ TORCH_SCRIPT = textwrap.dedent("""
     n = int(os.environ["ORCH_RESTART_COUNT"])
     print(f"step=1 loss={float(torch.ones(1).sum())} restart={n}", flush=True)
     if n == 0 and os.environ["RANK"] == "1":
+        import time
+        time.sleep(2)  # (every node has said its ranks started by then)
         sys.exit(3)
 """)
 
@@ -170,3 +172,30 @@ def test_the_restart_forks_its_ranks_from_the_template_kept(orch, write_spec, ho
     assert kept == {host: started[(1, host)]["template"] for host in ("node-0", "node-1")}
     assert_no_leftovers(job["id"])
     assert not [p for p in psutil.process_iter(["pid"]) if p.pid in kept.values()]
+
+
+def test_a_warm_agent_answers_stop_and_ends_with_its_link() -> None:
+    """Between attempts (agents.before.stay_warm): a stop (one that crossed ``idle``, or a cancel before the next
+    start) is answered ``stopped`` and the agent waits on; end of stream releases it; a start is returned."""
+    import queue
+
+    from agents.before import BeforeStart
+
+    class Writer:
+        def __init__(self) -> None:
+            self.sent: list[dict] = []
+
+        def send(self, msg: dict) -> bool:
+            self.sent.append(msg)
+            return True
+
+    for last, expected in (({"type": "eof"}, None), ({"type": "start", "attempt_id": "j.2"}, "j.2")):
+        inbox: queue.Queue = queue.Queue()
+        for msg in ({"type": "stop", "reason": "attempt ended"}, {"type": "dump"}, {"type": "ping"}, last):
+            inbox.put(("controller", msg))
+        writer = Writer()
+        before = BeforeStart(writer, inbox, {}, warm=True)
+        got = before.wait(timeout=10)
+        before.close()
+        assert (got or {}).get("attempt_id") == expected
+        assert writer.sent == [{"type": "stopped", "reason": "attempt ended", "exits": {}}]

@@ -174,7 +174,8 @@ def _float(value: Any) -> float | str | None:
 def node_rows(store: Store, attempt: AttemptRecord, cause: dict | None) -> list[dict[str, Any]]:
     """Every node of an attempt: host, node rank, agent state and its metrics port.
 
-    The state is ``starting`` (agent not up yet), ``up`` (agent said hello), ``running``
+    The state is ``starting`` (agent not up yet), ``up`` (agent said hello, or was kept warm from the attempt
+    before), ``running``
     (its ranks started), ``lost`` (named by a node-loss cause of the attempt),
     ``preflight_failed`` (named by a preflight failure of the attempt), or, once the attempt
     has stopped, ``ended``.
@@ -186,7 +187,7 @@ def node_rows(store: Store, attempt: AttemptRecord, cause: dict | None) -> list[
         if ev.attempt != attempt.number or ev.data.get("node_rank") not in rows:
             continue
         row = rows[ev.data["node_rank"]]
-        if ev.kind == "agent_up":
+        if ev.kind in ("agent_up", "agent_kept"):  # started for it, or kept from the attempt before (warm)
             row["state"] = "up"
         elif ev.kind == "ranks_started":
             row.update(state="running", metrics_port=ev.data.get("metrics_port"))
