@@ -119,8 +119,8 @@ def stay_warm(keep_s: float, writer: MessageWriter, inbox: "queue.Queue[tuple[An
 
     Returns:
         The next ``start`` message; None when the controller released the node (end of stream), fell silent
-        (past the lease of a preflight request), or ``keep_s`` passed. A signal now ends the agent at once (its template dies with it:
-        ``PR_SET_PDEATHSIG``).
+        (past the lease of a preflight request), or ``keep_s`` passed. A signal now ends the agent at once
+        (its template dies with it: ``PR_SET_PDEATHSIG``).
     """
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(signum, signal.SIG_DFL)
