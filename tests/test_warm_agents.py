@@ -65,6 +65,8 @@ def test_the_restart_keeps_every_healthy_agent(orch, write_spec, hostfile, tmp_p
     (job,) = orch.json("list")
     first, second = _agents(orch, job["id"], 1), _agents(orch, job["id"], 2)
     assert set(first) == {"node-0", "node-1"} and second == first  # the same processes: nothing restarted
+    assert "attempt 2 reuses the agents of the attempt before on node-0, node-1 (warm: no new agent)" in \
+        " ".join(r.stdout.split())
     assert [e for e in orch.events(job["id"]) if e.attempt == 2 and e.kind == "agent_up"] == []
     kept = orch.events(job["id"], "agent_kept")
     assert sorted(e.data["host"] for e in kept) == ["node-0", "node-1"]

@@ -90,9 +90,15 @@ def follow_plain(controller: Any, job_id: str, run: Any, args: argparse.Namespac
         finished = not controller.busy(job_id)
         if not finished:
             time.sleep(0.5)
+        kept: list = []  # agent_kept events not said yet (one line for a run of them)
         for ev in controller.store.events(job_id, since_id=seen_event):
             seen_event = ev.id
-            if ev.kind == "state":
+            if kept and ev.kind != "agent_kept":
+                say(kept_words(kept), kept[-1].at)
+                kept = []
+            if ev.kind == "agent_kept":
+                kept.append(ev)
+            elif ev.kind == "state":
                 cause = (ev.data.get("cause") or {}).get("message")
                 say(f"job {job_id} {ev.data['to']} (attempt {ev.attempt}){': ' + cause if cause else ''}", ev.at)
                 if "resume_tag" in ev.data:
@@ -132,6 +138,8 @@ def follow_plain(controller: Any, job_id: str, run: Any, args: argparse.Namespac
                 say(f"checkpoint {d['from_tag']} (saved by {d['from_world_size']} ranks) "
                     + ("already converted" if d.get("reused") else f"converted in {d['seconds']:.1f} s")
                     + f" to DeepSpeed's universal format, {d['tag']}, for {d['to_world_size']} ranks", ev.at)
+        if kept:
+            say(kept_words(kept), kept[-1].at)
         d = job_detail(controller.store, job_id)
         steps = [(r["global_rank"], r["step"], r["loss"]) for r in d["ranks"]]
         reporting = any(s[1] is not None for s in steps)
@@ -144,3 +152,13 @@ def follow_plain(controller: Any, job_id: str, run: Any, args: argparse.Namespac
             last_print = time.monotonic()
         if finished:
             return
+
+
+def kept_words(events: list) -> str:
+    """One line for a run of ``agent_kept`` events: the attempt, the hosts (4 named), what was kept."""
+    names = [e.data.get("host") for e in events]
+    shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    templates = sum(1 for e in events if e.data.get("template"))
+    what = " and fork-server templates" if templates == len(events) else \
+        f" ({templates} with its fork-server template)" if templates else ""
+    return f"attempt {events[0].attempt} reuses the agents{what} of the attempt before on {shown} (warm: no new agent)"
