@@ -21,8 +21,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-import psutil
-
 __all__ = ["IFNAME_VARS", "Choice", "choose", "interfaces", "this_machine_names"]
 
 #: The variables that name the interface of the ranks' collectives (gloo's and NCCL's).
@@ -56,6 +54,7 @@ class Choice:
 
 def interfaces() -> dict[str, list[str]]:
     """``{interface: [IPv4 and IPv6 addresses]}`` of this node (of the network namespace it runs in)."""
+    import psutil  # (here: orch plan reads IFNAME_VARS only, without psutil's ~10 ms import)
     out: dict[str, list[str]] = {}
     for name, addrs in psutil.net_if_addrs().items():
         out[name] = [a.address.split("%")[0] for a in addrs if a.family in (socket.AF_INET, socket.AF_INET6)]
@@ -186,6 +185,7 @@ def choose(env: Mapping[str, str], master: Mapping[str, Any] | None) -> Choice:
 def this_machine_names() -> set[str]:
     """The names and addresses this machine answers to: loopback's, its host name and FQDN, and every IPv4
     and IPv6 address of its interfaces (a zone suffix dropped)."""
+    import psutil
     names = {"localhost", "127.0.0.1", "::1", socket.gethostname(), socket.getfqdn()}
     names |= {a.address.split("%")[0] for addrs in psutil.net_if_addrs().values() for a in addrs
               if a.family in (socket.AF_INET, socket.AF_INET6)}
