@@ -121,13 +121,7 @@ def follow_plain(controller: Any, job_id: str, run: Any, args: argparse.Namespac
                 doing = "; ".join(f"rank {r}: {d}" for r, d in (ev.data.get("doing") or {}).items() if d)
                 say(f"not a hang: {doing or ev.data.get('why')}; {ev.data.get('more_seconds', 0):.0f} s more", ev.at)
             elif ev.kind == "restart_scheduled":
-                if ev.data.get("controller_fault"):
-                    which = f"restart {ev.data['restart']}"
-                    why = "the controller's own trouble, whatever the restart policy"
-                else:
-                    which, why = f"restart {ev.data['restart']} of {ev.data['max_restarts']}", "restart policy"
-                without = f" without {', '.join(ev.data['exclude_hosts'])}" if ev.data.get("exclude_hosts") else ""
-                say(f"{which} in {ev.data['in_seconds']:.0f} s{without} ({why})", ev.at)
+                say(restart_words(ev.data), ev.at)
             elif ev.kind == "checkpoint_marked_bad":
                 say(f"checkpoint {ev.data['tag']} marked bad: {ev.data['reason']}; no resume starts from it again "
                     "until it is saved again", ev.at)
@@ -162,3 +156,13 @@ def kept_words(events: list) -> str:
     what = " and fork-server templates" if templates == len(events) else \
         f" ({templates} with its fork-server template)" if templates else ""
     return f"attempt {events[0].attempt} reuses the agents{what} of the attempt before on {shown} (warm: no new agent)"
+
+
+def restart_words(data: dict) -> str:
+    """The line of a ``restart_scheduled`` event: which restart, when, without which hosts, and why."""
+    if data.get("controller_fault"):
+        which, why = f"restart {data['restart']}", "the controller's own trouble, whatever the restart policy"
+    else:
+        which, why = f"restart {data['restart']} of {data['max_restarts']}", "restart policy"
+    without = f" without {', '.join(data['exclude_hosts'])}" if data.get("exclude_hosts") else ""
+    return f"{which} in {data['in_seconds']:.0f} s{without} ({why})"
