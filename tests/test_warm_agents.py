@@ -10,7 +10,7 @@ import time
 import psutil
 import pytest
 
-from conftest import assert_no_leftovers
+from conftest import assert_no_leftovers, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -201,3 +201,15 @@ def test_a_warm_agent_answers_stop_and_ends_with_its_link() -> None:
         before.close()
         assert (got or {}).get("attempt_id") == expected
         assert writer.sent == [{"type": "stopped", "reason": "attempt ended", "exits": {}}]
+
+
+def test_under_a_server_the_restart_keeps_the_agents(orch, write_spec, hostfile, tmp_path, server) -> None:
+    """An orch server's agents listen for a successor (reattach): kept for the restart all the same; the job ends
+    SUCCEEDED on them, and nothing of it is left."""
+    proc, url = server
+    fields = _fields(hostfile, tmp_path, FAIL_TIMES="1")
+    job_id = orch.json("submit", str(write_spec(**fields)))["id"]
+    wait_for(lambda: orch.json("status", job_id)["state"] == "SUCCEEDED", 120, "the job succeeds")
+    first, second = _agents(orch, job_id, 1), _agents(orch, job_id, 2)
+    assert set(first) == {"node-0", "node-1"} and second == first
+    assert_no_leftovers(job_id)
