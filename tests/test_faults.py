@@ -58,7 +58,7 @@ def test_a_build_lock_that_never_goes_fails_the_preflight_naming_it(orch, write_
     assert locks, list(private.rglob("*"))[:20]
     for lock in locks:
         lock.write_text("")
-    startup = 25
+    startup = 10
     spec = write_spec(name="lock", hostfile=str(hostfile("node-0 slots=1\nnode-1 slots=1\n")), workdir=str(EXAMPLES),
                       entrypoint="train_gpt.py", args=["--steps", "20", *TINY],
                       deepspeed_config=str(EXAMPLES / "ds_zero2.json"), startup_timeout=startup,
