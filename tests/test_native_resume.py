@@ -165,7 +165,7 @@ def test_a_rank_that_crashes_loading_a_tag_makes_the_next_restart_skip_it(orch, 
 def test_hf_trainer_script_resumes_from_its_checkpoint_dirs(orch, write_spec, hostfile, tmp_path) -> None:
     helpers_train.prebuild_ops()
     out = tmp_path / "out"
-    args = ["--deepspeed", str(SCRIPTS / "hf_ds_zero2.json"), "--output_dir", str(out), "--max_steps", "120",
+    args = ["--deepspeed", str(SCRIPTS / "hf_ds_zero2.json"), "--output_dir", str(out), "--max_steps", "60",
             "--save_steps", "10", "--logging_steps", "1", "--per_device_train_batch_size", "4", "--report_to",
             "none", "--seed", "42"]
     spec = write_spec(name="hftrainer", hostfile=str(hostfile(TWO_NODES)), launcher="standard", workdir=str(SCRIPTS),
@@ -187,7 +187,7 @@ def test_hf_trainer_script_resumes_from_its_checkpoint_dirs(orch, write_spec, ho
     assert detail["state"] == "SUCCEEDED" and detail["attempts"][1]["resume_tag"] == newest
     before, after = (helpers_resume.losses(p, HF_STEP + r" loss=(\S+)")
                      for p in (first, Path(detail["run_dir"]) / "logs" / "rank-0.log"))
-    assert min(after) == step + 1 and max(after) == 120, sorted(after)[:3]
+    assert min(after) == step + 1 and max(after) == 60, sorted(after)[:3]
     overlap = sorted(set(before) & set(after))
     assert overlap and all(after[s] == before[s] for s in overlap), [(s, before[s], after[s]) for s in overlap]
     assert_no_leftovers(job, timeout=5)
