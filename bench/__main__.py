@@ -50,7 +50,7 @@ SECTIONS = (
     Section("fast_start", "Forked ranks vs exec'd ranks", ("--rounds", "5"), ("--rounds", "1"),
             what="orch with fast_start on vs off, the same job on local nodes."),
     Section("metrics_overhead", "Steady-state throughput and scrape time", ("--rounds", "5", "--steps", "400"),
-            ("--rounds", "1", "--steps", "60"), what="orch with metrics on vs off; one scrape of a node."),
+            ("--rounds", "1", "--steps", "60"), what="orch with metrics on vs off vs DeepSpeed's bare launcher (throughput paired per round); one scrape of a node."),
     Section("failure_detection", "Detection of a dead rank", ("--rounds", "5"), ("--rounds", "1"),
             what="orch vs DeepSpeed's per-node launcher."),
     Section("recovery_timeline", "Fault to the next attempt's first step", ("--rounds", "5"), ("--rounds", "1"),

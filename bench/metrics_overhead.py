@@ -6,10 +6,14 @@ alternating rounds (on, off, on, off, ...) so load drifts affect both alike:
 * ``on``: ``metrics_port: auto`` (every agent serves /metrics) and the script reports every
   step with ``agents.report``; a scraper GETs every node's /metrics once a second, as a
   Prometheus with a 1 s scrape interval would (five times Prometheus' usual rate);
-* ``off``: ``metrics_port: null`` and ``--no-report``: no exporter, no report.
+* ``off``: ``metrics_port: null`` and ``--no-report``: no exporter, no report;
+* ``bare``: no orch at all: DeepSpeed's per-node launcher (``python -m deepspeed.launcher.launch``), one per
+  "node" with the same world (2 nodes x 1 slot), the same script, arguments and config as ``off``; its
+  ranks are exec'd, where orch's are forked from a template by default (``fast_start: auto``).
 
 Throughput: the median over ranks of each rank's mean step time (the ``step_s`` of its
-``[train]`` lines, first ``--warmup`` steps left out). Overhead = on / off - 1.
+``[train]`` lines, first ``--warmup`` steps left out). Overhead = on / off - 1; against the bare launcher,
+bare / on is orch's throughput with metrics on as a fraction of the bare launcher's (paired per round).
 
 Scrape time: while an ``on`` job runs, ``--scrapes`` timed GETs of node 0's /metrics
 (median and p90 in ms).
@@ -81,6 +85,36 @@ def run(mode: str, work: Path, args: argparse.Namespace, scrapes: list[float]) -
     return means
 
 
+def run_bare(work: Path, args: argparse.Namespace) -> list[float]:
+    """DeepSpeed's launcher without orch, 2 nodes x 1 slot on this machine; each rank's mean step time."""
+    import base64
+    import socket
+    info = base64.urlsafe_b64encode(json.dumps({"node-0": [0], "node-1": [0]}).encode()).decode()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    train = ["--steps", str(args.steps), "--checkpoint-interval", "0", "--log-interval", "0",
+             "--corpus-bytes", "200000", "--no-report", *MODELS[args.model]]
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
+           "ORCH_DEEPSPEED_CONFIG": _without_monitor(work)}
+    logs = [work / f"bare-{time.monotonic_ns()}-node{k}.log" for k in range(2)]
+    procs = []
+    for k, log in enumerate(logs):
+        with open(log, "wb") as f:
+            procs.append(subprocess.Popen(
+                [sys.executable, "-u", "-m", "deepspeed.launcher.launch", f"--world_info={info}", f"--node_rank={k}",
+                 "--master_addr=127.0.0.1", f"--master_port={port}", str(EXAMPLES / "train_gpt.py"), *train],
+                cwd=EXAMPLES, env=env, stdout=f, stderr=subprocess.STDOUT))
+    for proc, log in zip(procs, logs):
+        if proc.wait(1800) != 0:
+            raise SystemExit(f"the bare launcher failed:\n{log.read_text()[-3000:]}")
+    means = []
+    for log in logs:
+        times = [float(m.group(3)) for m in STEP.finditer(log.read_text()) if int(m.group(1)) > args.warmup]
+        means.append(statistics.fmean(times))
+    return means
+
+
 def _without_monitor(work: Path) -> str:
     """The example config with DeepSpeed's CSV monitor explicitly off (orch turns it on otherwise)."""
     config = json.loads((EXAMPLES / "ds_zero2.json").read_text())
@@ -137,20 +171,26 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=20, help="steps left out of each rank's mean")
     p.add_argument("--model", choices=sorted(MODELS), default="tiny")
     args = p.parse_args()
-    results: dict[str, list[float]] = {"on": [], "off": []}
+    results: dict[str, list[float]] = {"on": [], "off": [], "bare": []}
     scrapes: list[float] = []
     with tempfile.TemporaryDirectory(prefix="orch-bench-metrics-") as tmp:
         for i in range(args.rounds):
-            for mode in (("on", "off") if i % 2 == 0 else ("off", "on")):
-                means = run(mode, Path(tmp), args, scrapes)
+            order = ("on", "off", "bare")
+            for mode in order[i % 3:] + order[:i % 3]:
+                means = run_bare(Path(tmp), args) if mode == "bare" else run(mode, Path(tmp), args, scrapes)
                 results[mode].append(statistics.median(means))
-                print(f"round {i + 1} {mode:>3}: step {statistics.median(means) * 1000:.2f} ms "
+                print(f"round {i + 1} {mode:>4}: step {statistics.median(means) * 1000:.2f} ms "
                       f"(ranks {', '.join(f'{m * 1000:.2f}' for m in means)})", flush=True)
     per_call = report_cost()
     on, off = statistics.median(results["on"]), statistics.median(results["off"])
     print(f"\nmodel {args.model}, {args.steps} steps, {args.rounds} rounds")
     print(f"median step time: on {on * 1000:.3f} ms, off {off * 1000:.3f} ms; on/off = {on / off:.4f} "
           f"(overhead {100 * (on / off - 1):+.2f} %)")
+    bare = statistics.median(results["bare"])
+    paired = [b / o for b, o in zip(results["bare"], results["on"])]
+    print(f"bare launcher: median step time {bare * 1000:.3f} ms; orch with metrics on, throughput as a fraction of "
+          f"the bare launcher's (bare / on step time, per round): {', '.join(f'{x:.4f}' for x in paired)}; "
+          f"median {statistics.median(paired):.4f}")
     print(f"one agents.report.step call: {per_call * 1e6:.1f} us ({100 * per_call / off:.3f} % of a median "
           f"'off' step)")
     if scrapes:
