@@ -19,7 +19,7 @@ pytestmark = pytest.mark.integration
 EXAMPLES = ROOT / "examples"
 TINY = ["--n-layer", "1", "--d-model", "32", "--n-head", "2", "--seq-len", "32", "--corpus-bytes", "200000",
         "--log-interval", "0", "--checkpoint-interval", "0"]
-HANG_TIMEOUT = 8
+HANG_TIMEOUT = 5
 
 
 @pytest.fixture(scope="module", autouse=True)
