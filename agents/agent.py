@@ -280,13 +280,11 @@ class Agent:
         """The spec's ``fast_start`` on this node (:mod:`agents.forkserver`): a started template to fork the
         ranks from, None to exec them (``auto`` says why in the ``started`` message's ``fast_start``), or False:
         ``on`` cannot fork them (the start failed, with the reason)."""
+        warm = self.template  # (open_server closes it unless it serves this attempt's ranks)
         server, why, job_wide = open_server(
             self.fast_start, [r["argv"] for r in self.node["ranks"]], envs, self.node["workdir"],
             os.path.join(self.node["log_dir"], f"forkserver-node{self.node['node_rank']}.log"),
-            launcher=self._launcher_name, native=bool(self.native), warm=self.template)
-        warm = self.template
-        if self.template is not None and server is not self.template:
-            self.template.close()  # (not this attempt's: another Python, import-time variable, or fast_start off)
+            launcher=self._launcher_name, native=bool(self.native), warm=warm)
         self.template = server if self.keep_warm_s > 0 and server is not None else None
         if why and self.fast_start == "on":
             return self._spawn_failed(f"fast_start on: the ranks cannot be forked on {self.node['host']}: {why}")

@@ -422,7 +422,7 @@ def open_server(mode: str, argvs: Sequence[Sequence[str]], envs: Sequence[Mappin
         log_path: the template's log file.
         launcher: the plan's launcher name; native: whether the real launcher starts the ranks.
         warm: the template an earlier attempt on this node kept: it serves these ranks if it can
-            (:meth:`ForkServer.serves`), else it is closed and a new one started.
+            (:meth:`ForkServer.serves`); else it is closed here (before any new one starts), whatever is returned.
 
     Returns:
         ``(server, None, _)``: fork the ranks from ``server``; ``(None, None, _)``: exec them (mode off);
@@ -430,22 +430,24 @@ def open_server(mode: str, argvs: Sequence[Sequence[str]], envs: Sequence[Mappin
         the start with ``why``; ``job_wide``: the reason is the job's (its command line, launcher or
         launch mode: every node finds the same), not this node's.
     """
-    if mode not in ("auto", "on"):
-        return None, None, False
-    try:
-        if native:
-            raise ValueError("launch_mode native: the real launcher starts the ranks")
-        plan = plan_template(argvs, envs, cwd, launcher)
-    except ValueError as err:
-        return None, str(err), not isinstance(err, NodeReason)
-    if not _is_subreaper():
-        return None, ("the agent is not a child subreaper (PR_SET_CHILD_SUBREAPER), so it could not reap a forked "
-                      "rank"), False
-    if warm is not None and warm.serves(plan):
+    plan, why, job_wide = None, None, False
+    if mode in ("auto", "on"):
+        try:
+            if native:
+                raise ValueError("launch_mode native: the real launcher starts the ranks")
+            plan = plan_template(argvs, envs, cwd, launcher)
+        except ValueError as err:
+            why, job_wide = str(err), not isinstance(err, NodeReason)
+        if plan is not None and not _is_subreaper():
+            plan, why = None, ("the agent is not a child subreaper (PR_SET_CHILD_SUBREAPER), so it could not reap a "
+                               "forked rank")
+    if warm is not None and plan is not None and warm.serves(plan):
         warm.adopt(plan)
         return warm, None, False
     if warm is not None:
-        warm.close()
+        warm.close()  # (before a new template imports: two never hold the node's memory at once)
+    if plan is None:
+        return None, why, job_wide
     server = ForkServer(plan, log_path)
     why = server.start()
     return (server, None, False) if why is None else (None, why, False)
