@@ -105,6 +105,12 @@ class Provisioner(ABC):
         """Take on a running agent another instance started (and :meth:`detach`\\ ed), as node ``node_rank``: its
         connection is closed and its node swept with this provisioner's from now on."""
 
+    def warm_key(self, host: str) -> tuple | None:
+        """What an agent this provisioner starts on ``host`` depends on (how it is reached and logged in, the
+        interpreter): a warm agent kept from another job serves this one's node on ``host`` only when the keys are
+        equal (an ``orch server --keep-warm``: ``orchestrator.supervision.warm``). None: never shared."""
+        return None
+
     @abstractmethod
     def start_agent(self, node: NodePlan, plan: JobPlan,
                     events: "queue.Queue[tuple[int, dict]]") -> AgentHandle:

@@ -148,6 +148,10 @@ class LocalProvisioner(Provisioner):
                 from err
         return LocalAgent(node, proc, events, log_path)
 
+    def warm_key(self, host: str) -> tuple | None:
+        """The interpreter (every local agent has the controller's environment)."""
+        return ("local", self.python)
+
     def attach_agent(self, node: NodePlan, plan: JobPlan,
                      events: "queue.Queue[tuple[int, dict]]") -> AgentHandle:
         """Connect to the node's agent socket on this machine (:class:`AttachedLocalAgent`)."""

@@ -477,6 +477,11 @@ class SSHProvisioner(Provisioner):
             with self._lock:
                 self._clients[node_rank] = client
 
+    def warm_key(self, host: str) -> tuple | None:
+        """Where and as whom the agent logs in (address, port, user, keys, host key checks) and its interpreter."""
+        t = self.target(host)
+        return ("ssh", t.hostname, t.port, t.user, t.identity_files, t.known_hosts, t.accept_new, self.python)
+
     def forget(self, node_rank: int) -> None:
         with self._lock:
             client = self._clients.pop(node_rank, None)

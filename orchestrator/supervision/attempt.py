@@ -167,11 +167,13 @@ class AttemptRun(AttemptMessages):
     def _provision(self) -> None:
         """Start every node's agent and await every hello; then the preflight round, or the start."""
         warm = adopt_warm(self.services.warm, self.job_id, self.plan, self.provisioner, self.events)
-        for node_rank, (_, relay, idle) in warm.items():
+        for node_rank, (_, relay, kept) in warm.items():
             self.relays[node_rank] = relay
             self.node_state[node_rank] = "up"
-            self._event("agent_kept", {"node_rank": node_rank, "host": self._host(node_rank), "pid": idle.get("pid"),
-                                       "template": idle.get("template"), "from_attempt": idle.get("attempt_id")})
+            self._event("agent_kept", {"node_rank": node_rank, "host": self._host(node_rank),
+                                       "pid": kept.idle.get("pid"), "template": kept.idle.get("template"),
+                                       "from_attempt": kept.idle.get("attempt_id"),
+                                       **({"from_job": kept.job_id} if kept.job_id != self.job_id else {})})
         self.agents, failures = start_agents(self.provisioner, self.plan, self.events, self.cancel_event, self.relays,
                                              skip=warm)
         if not failures and not self.cancel_event.is_set():
@@ -514,7 +516,7 @@ class AttemptRun(AttemptMessages):
             self._revise_cause(lost)
             park = parkable(self.node_state, self.idle, self.relays, self.agents,
                             {n.node_rank: n.host for n in self.plan.nodes}) \
-                if self.state == JobState.FAILED and self.keep_warm_s > 0 else {}
+                if self.keep_warm_s > 0 and (self.state == JobState.FAILED or self._shares_warm()) else {}
             swept = teardown.finish(self.plan, keep={w.relay.node_rank for w in park.values()}, spare=spare_pids(park))
             if park and self.services.warm is not None:
                 self.services.warm.park(self.job_id, self.plan.attempt, self.provisioner, park, self.keep_warm_s)
@@ -525,6 +527,10 @@ class AttemptRun(AttemptMessages):
             self._log(traceback.format_exc())
         finally:
             self._release()
+
+    def _shares_warm(self) -> bool:
+        """Whether the agents of an attempt that did not fail are kept too (for other jobs: ``orch server --keep-warm``)."""
+        return self.services.warm is not None and self.services.warm.share_s > 0
 
     def _revise_cause(self, lost: set[int]) -> None:
         """Name a lost node as the root cause of a rank's failure on another node (:func:`~.teardown.root_cause`)."""

@@ -40,7 +40,7 @@ from .reattach import AliveFile, take_over
 from .prepare import pool_of, prepare_plan, resume_dir_of
 from .queued import QueuedAttempt, allocation_size
 from .restarts import Restarts
-from .warm import WarmPool
+from .warm import WARM_RECORD, WarmPool
 from .resume import (check_fresh_start, check_reachable, check_world, convert, find_start, fresh_start_note,
                      mark_if_crashed_loading, rewrite_latest, tell_script)
 from .settings import Timings, default_state_dir
@@ -80,13 +80,16 @@ class Controller:
             ``orch server`` does, so a killed ``orch run`` is noticed.
         prometheus_targets: directory of the Prometheus file_sd files of running attempts
             (default ``$ORCH_PROMETHEUS_TARGETS`` or ``<state dir>/prometheus/targets``).
+        share_warm_s: how long an ended job's agents (and fork-server templates) stay up for a later job on the
+            same hosts (``orch server --keep-warm``; :class:`~.warm.WarmPool`); 0: they end with their job.
     """
 
     def __init__(self, state_dir: str | Path | None = None, *, clock: Callable[[], float] = time.time,
                  provisioner_factory: Callable[[str, JobSpec], Provisioner] = get_provisioner,
                  heartbeat_s: float | None = None, node_timeout_s: float | None = None,
                  agent_lease_s: float | None = None, owner_url: str | None = None,
-                 recover_every_s: float = 0.0, prometheus_targets: str | Path | None = None) -> None:
+                 recover_every_s: float = 0.0, prometheus_targets: str | Path | None = None,
+                 share_warm_s: float = 0.0) -> None:
         private_files()  # orch's own files 0600, directories 0700; ranks keep the user's umask
         self.state_dir = Path(state_dir or default_state_dir()).expanduser().resolve()
         open_state_dir(self.state_dir)
@@ -105,7 +108,7 @@ class Controller:
         self.targets = TargetsWriter(Path(prometheus_targets).expanduser() if prometheus_targets
                                      else default_targets_dir(self.state_dir))
         self.restarts = Restarts(self.store, self.owner, self._restart)
-        self.warm = WarmPool()  # failed attempts' healthy agents, kept for their restart (.warm)
+        self.warm = WarmPool(share_warm_s, self.state_dir / WARM_RECORD, self.owner)  # agents kept for a restart, or for later jobs (.warm)
         self._runs: dict[str, AttemptRun] = {}
         self._queued: dict[str, QueuedAttempt] = {}  # job id -> its attempt waiting for a scheduler's nodes
         self._lock = threading.Lock()
@@ -242,7 +245,7 @@ class Controller:
         job = self.store.get_job(job_id)
         if not automatic:
             self.restarts.call_off(job.id, "resumed by hand")
-            self.warm.release(job.id)
+            self.warm.retire(job.id)
         self._check_resumable(job)
         spec = spec_from_dict(job.spec, source=f"job {job.id}")
         if exclude_hosts:
@@ -404,7 +407,7 @@ class Controller:
         """
         job = self.store.get_job(job_id)
         if job.state.is_terminal():
-            self.warm.release(job.id)
+            self.warm.retire(job.id)
             if not self.restarts.call_off(job.id, reason) and owner_alive(job.owner) \
                     and job.owner != self.owner:
                 self.store.request_cancel(job.id)  # its controller may have a restart pending
@@ -479,7 +482,7 @@ class Controller:
         except Exception:  # noqa: BLE001 - the store is closing at shutdown: nothing to mark, the restart decides
             pass
         if self._closed.is_set() or not self.restarts.apply(run.job_id, run.spec, run.plan.attempt):
-            self.warm.release(run.job_id)  # no restart: the agents kept for one end now
+            self.warm.retire(run.job_id)  # no restart: the agents kept for one end now (or wait for other jobs)
 
     def _restart(self, job_id: str, exclude: list[str]) -> Any:
         """An automatic restart (the restart policy's): :meth:`resume`; the agents kept warm for it end if it
@@ -487,7 +490,7 @@ class Controller:
         try:
             return self.resume(job_id, exclude_hosts=exclude, automatic=True)
         except BaseException:
-            self.warm.release(job_id)
+            self.warm.retire(job_id)
             raise
 
     def recover(self) -> list[str]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import errno
 import glob
+import json
 import os
 import socket
 import time
@@ -40,6 +41,7 @@ from ..store import AttemptRecord, JobRecord, JobState, Store
 from .orphans import owner_alive, recover_orphans, sweep_attempt
 from .preflight import token_dir
 from .reattach import awaiting_reattach
+from .warm import WARM_RECORD
 
 __all__ = ["Entry", "Kept", "GcResult", "collect", "run_gc", "LEGACY_SCRATCH"]
 
@@ -135,6 +137,16 @@ def _marked() -> dict[str, list[int]]:
                 out.setdefault(env[key], []).append(proc.pid)
                 break
     return out
+
+
+def kept_pids(record: Path) -> set[int]:
+    """The pids :class:`~.warm.WarmPool` lists in ``record`` while its controller (the record's ``owner``) runs: agents
+    and templates kept for later jobs; an empty set without a record, or when its controller is gone."""
+    try:
+        data = json.loads(Path(record).read_text())
+        return {int(p) for p in data["pids"]} if owner_alive(data.get("owner")) else set()
+    except (OSError, ValueError, KeyError, TypeError):
+        return set()
 
 
 def _live(job: JobRecord, dry_run: bool) -> str | None:
@@ -266,7 +278,8 @@ def _all_but_resume(store: Store, job: JobRecord, root: str, age: str, kept: lis
 def collect(store: Store | None, state_dir: str | Path, *, older_than_s: float | None = None,
             keep_checkpoints: bool = False, drop_resume_checkpoints: bool = False, dry_run: bool = True,
             now: float | None = None, finished: dict[str, float] | None = None) -> tuple[list[Entry], list[Kept]]:
-    """Everything the rule lets go now (see the module docstring); removes nothing.
+    """Everything the rule lets go now (see the module docstring); removes nothing. A job whose agents an ``orch
+    server --keep-warm`` keeps for later jobs (:func:`kept_pids`) is left alone as not over, until they end.
 
     Args:
         store: the state dir's store (None: it has none, only stale sockets are looked for).
@@ -286,6 +299,7 @@ def collect(store: Store | None, state_dir: str | Path, *, older_than_s: float |
     now = time.time() if now is None else now
     jobs = store.list_jobs(1 << 62) if store else []
     marked, targets = _marked(), default_targets_dir(state_dir)
+    warm = kept_pids(state_dir / WARM_RECORD)  # an orch server's agents kept for later jobs (.warm)
     entries: list[Entry] = []
     kept: list[Kept] = []
     known: set[str] = set()
@@ -293,6 +307,8 @@ def collect(store: Store | None, state_dir: str | Path, *, older_than_s: float |
         attempts = store.attempts(job.id) if store else []
         known |= {node_key(f"{job.id}.{a.number}", n) for a in attempts for n in range(len(a.plan.get("nodes") or []))}
         why = _live(job, dry_run)
+        if not why and any(pid in warm for a in attempts for pid in marked.get(f"{job.id}.{a.number}", ())):
+            why = "its agents are kept warm for later jobs (orch server --keep-warm)"
         if why:
             kept.append(Kept(job.id, f"not over: {why}"))
             continue

@@ -15,19 +15,33 @@ How it goes:
 4. No restart (the policy says no, a cancel, a resume by hand, the controller closing) :meth:`releases
    <WarmPool.release>` them: their links close and the agents end; so does a pool entry ``keep_warm_s`` after it
    was parked (the agents would have ended by then anyway).
+
+Between jobs (an ``orch server --keep-warm S``: :attr:`WarmPool.share_s` > 0), every job's agents stay up the same
+way when it ends (succeeded, failed for good or cancelled): :meth:`WarmPool.retire` moves them to a pool shared by
+all jobs, keyed by :meth:`~orchestrator.provisioners.Provisioner.warm_key` (how the agent logs in, its interpreter)
+and host, for ``S`` seconds. A later job's attempt takes the one on each of its hosts whose key is its own
+(:meth:`WarmPool.take_shared`), its ranks forked from the template kept there when their imports match
+(``agents.forkserver.ForkServer.serves``): no connection, no agent start, no import.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import queue
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from ..provisioners import AgentHandle, Provisioner
 
-__all__ = ["Relay", "WarmNode", "WarmSet", "WarmPool", "keep_warm_for", "adopt_warm", "parkable", "spare_pids"]
+__all__ = ["Relay", "WarmNode", "WarmSet", "WarmPool", "keep_warm_for", "adopt_warm", "parkable", "spare_pids",
+           "WARM_RECORD"]
+
+#: the file in the state directory that lists the agents kept for later jobs (``housekeeping.kept_pids``)
+WARM_RECORD = "warm-agents.json"
 
 
 class Relay:
@@ -62,13 +76,18 @@ class Relay:
 @dataclass
 class WarmNode:
     """One parked agent: its host, link, relay, and what it said in ``idle`` (``pid``, ``template``: its fork-server
-    template's pid or None)."""
+    template's pid or None); once parked, the job that had it, its provisioner's :meth:`warm_key
+    <orchestrator.provisioners.Provisioner.warm_key>` for its host (None: not shared between jobs) and when it stops
+    waiting (monotonic seconds)."""
 
     host: str
     handle: AgentHandle
     relay: Relay
     idle: dict[str, Any]
     inbox: "queue.Queue[tuple[int, dict]]" = field(default_factory=queue.Queue)
+    job_id: str = ""
+    key: tuple | None = None
+    until: float = 0.0
 
     def alive(self) -> bool:
         """Whether its link is still open (no end of stream came while it was parked)."""
@@ -94,41 +113,61 @@ class WarmSet:
 
 
 class WarmPool:
-    """The controller's parked agents, by job (see the module docstring).
+    """The controller's parked agents, by job, and (``share_s`` > 0) those of ended jobs, for any later job whose
+    provisioner key and host match (see the module docstring).
+
+    Args:
+        share_s: how long an ended job's agents stay up for another job (seconds; 0: they end with their job).
+        record: a file that lists the pids of the agents (and templates) kept for other jobs, with ``owner``,
+            while there are any (JSON ``{"owner", "pids"}``; ``housekeeping.kept_pids`` reads it): ``orch gc``
+            leaves them alone though the jobs they are marked with are over.
+        owner: the controller's owner record (``{"pid", "host", "create_time"}``), written into ``record``.
 
     Example::
 
-        pool = WarmPool()
+        pool = WarmPool(share_s=300)
         pool.park("job-1", 1, provisioner, {host: WarmNode(...)}, keep_s=60)
         warm = pool.take("job-1", {"node1", "node2"})   # the restart's attempt: host -> WarmNode
-        pool.release("job-1")              # no restart: links closed, agents gone
+        pool.retire("job-1")               # no restart: shared (share_s > 0), else links closed, agents gone
+        pool.take_shared({"node1": provisioner.warm_key("node1")})  # another job's attempt
     """
 
-    def __init__(self) -> None:
+    #: A shared agent is not handed out (and is ended) this many seconds before it would stop waiting by itself.
+    MARGIN_S = 5.0
+
+    def __init__(self, share_s: float = 0.0, record: Path | None = None, owner: dict | None = None) -> None:
+        self.share_s = share_s
+        self._record, self._owner = record, owner
         self._sets: dict[str, WarmSet] = {}
+        self._shared: list[WarmNode] = []
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._reaper: threading.Thread | None = None
 
     def park(self, job_id: str, attempt: int, provisioner: Provisioner, nodes: dict[str, WarmNode],
              keep_s: float) -> None:
-        """Keep ``nodes`` (host -> parked agent) of the job's failed ``attempt`` for ``keep_s`` seconds; their
-        relays deliver to each node's own inbox meanwhile. A set parked before for the job is released."""
+        """Keep ``nodes`` (host -> parked agent) of the job's ended ``attempt`` for ``keep_s`` seconds; their
+        relays deliver to each node's own inbox meanwhile. A set parked before for the job is released; so is this
+        one when the pool is closed."""
+        now = time.monotonic()
         for node in nodes.values():
             node.relay.retarget(node.inbox, node.relay.node_rank)
+            node.job_id, node.until = job_id, now + keep_s
+            node.key = _key(provisioner, node.host) if self.share_s > 0 else None
+        warm = WarmSet(job_id, attempt, provisioner, nodes, now + keep_s)
+        if self._closed.is_set():
+            return self._close(warm)
         with self._lock:
             old = self._sets.pop(job_id, None)
-            self._sets[job_id] = WarmSet(job_id, attempt, provisioner, nodes, time.monotonic() + keep_s)
-            if self._reaper is None:
-                self._reaper = threading.Thread(target=self._expire, name="warm-agents", daemon=True)
-                self._reaper.start()
+            self._sets[job_id] = warm
+            self._start_reaper()
         if old is not None:
             self._close(old)
 
     def take(self, job_id: str, hosts: set[str]) -> dict[str, WarmNode]:
         """The job's parked agents on ``hosts`` whose link is still open, for its next attempt (host -> node); their
         connections leave the provisioner that parked them (the attempt's own adopts them:
-        :meth:`~orchestrator.provisioners.Provisioner.adopt`). The job's other parked agents are released."""
+        :meth:`~orchestrator.provisioners.Provisioner.adopt`). The job's other parked agents are retired."""
         with self._lock:
             warm = self._sets.pop(job_id, None)
         if warm is None:
@@ -136,8 +175,30 @@ class WarmPool:
         taken = {h: n for h, n in warm.nodes.items() if h in hosts and n.alive()}
         for node in taken.values():
             warm.provisioner.detach(node.relay.node_rank)
-        self._close(WarmSet(job_id, warm.attempt, warm.provisioner,
-                            {h: n for h, n in warm.nodes.items() if h not in taken}, 0.0))
+        self._retire(WarmSet(job_id, warm.attempt, warm.provisioner,
+                             {h: n for h, n in warm.nodes.items() if h not in taken}, 0.0))
+        return taken
+
+    def take_shared(self, keys: dict[str, tuple | None]) -> dict[str, WarmNode]:
+        """For another job's attempt: one agent an ended job left on each host of ``keys`` (host -> the attempt's
+        provisioner's :meth:`~orchestrator.provisioners.Provisioner.warm_key` there) with that very key, its link
+        open and at least :data:`MARGIN_S` before it stops waiting. Returns host -> node (hosts without one are
+        not in it)."""
+        taken: dict[str, WarmNode] = {}
+        dead: list[WarmNode] = []
+        with self._lock:
+            now = time.monotonic()
+            for node in list(self._shared):
+                if node.host in taken or keys.get(node.host) is None or keys[node.host] != node.key:
+                    continue
+                self._shared.remove(node)
+                if node.until - now > self.MARGIN_S and node.alive():
+                    taken[node.host] = node
+                else:
+                    dead.append(node)
+            self._publish()
+        for node in dead:
+            _end(node)
         return taken
 
     def hosts(self, job_id: str) -> list[str]:
@@ -145,6 +206,24 @@ class WarmPool:
         with self._lock:
             warm = self._sets.get(job_id)
             return sorted(warm.nodes) if warm else []
+
+    def shared(self) -> list[dict[str, Any]]:
+        """The agents kept for any job: ``[{"host", "job_id", "pid", "template", "expires_in_s"}]``."""
+        now = time.monotonic()
+        with self._lock:
+            return [{"host": n.host, "job_id": n.job_id, "pid": n.idle.get("pid"), "template": n.idle.get("template"),
+                     "expires_in_s": round(max(0.0, n.until - self.MARGIN_S - now), 1)} for n in self._shared]
+
+    def retire(self, job_id: str) -> bool:
+        """No attempt of the job will take its parked agents: with :attr:`share_s` > 0 they are kept for other
+        jobs (:meth:`take_shared`) for that long (no longer than they wait themselves), else released
+        (:meth:`release`). False when none were parked."""
+        with self._lock:
+            warm = self._sets.pop(job_id, None)
+        if warm is None:
+            return False
+        self._retire(warm)
+        return True
 
     def release(self, job_id: str) -> bool:
         """End the job's parked agents (their links close; an agent that does not end within 2 s is killed) and
@@ -157,12 +236,51 @@ class WarmPool:
         return True
 
     def close(self) -> None:
-        """Release every job's parked agents."""
+        """Release every parked agent, every job's and the shared ones."""
         self._closed.set()
         with self._lock:
             sets, self._sets = list(self._sets.values()), {}
+            shared, self._shared = self._shared, []
+            self._publish()
         for warm in sets:
             self._close(warm)
+        for node in shared:
+            _end(node)
+
+    def _retire(self, warm: WarmSet) -> None:
+        keep = {h: n for h, n in warm.nodes.items() if n.key is not None and self.share_s > 0 and n.alive()} \
+            if not self._closed.is_set() else {}
+        now = time.monotonic()
+        for node in keep.values():
+            warm.provisioner.detach(node.relay.node_rank)  # its connection now belongs to the node
+            node.until = min(node.until, now + self.share_s)
+        with self._lock:
+            self._shared += keep.values()
+            if keep:
+                self._start_reaper()
+                self._publish()
+        self._close(WarmSet(warm.job_id, warm.attempt, warm.provisioner,
+                            {h: n for h, n in warm.nodes.items() if h not in keep}, 0.0))
+
+    def _publish(self) -> None:
+        """Write (or remove, with none kept) the record of the shared agents' pids (called holding the lock)."""
+        if self._record is None:
+            return
+        pids = spare_pids({str(i): n for i, n in enumerate(self._shared)})
+        try:
+            if not pids:
+                self._record.unlink(missing_ok=True)
+                return
+            tmp = self._record.with_name(self._record.name + ".tmp")
+            tmp.write_text(json.dumps({"owner": self._owner, "pids": pids}))
+            os.replace(tmp, self._record)
+        except OSError:  # best effort: without it orch gc may end a kept agent early, which the next job survives
+            pass
+
+    def _start_reaper(self) -> None:
+        if self._reaper is None:  # (called holding the lock)
+            self._reaper = threading.Thread(target=self._expire, name="warm-agents", daemon=True)
+            self._reaper.start()
 
     @staticmethod
     def _close(warm: WarmSet, provisioner: bool = True) -> None:
@@ -181,28 +299,59 @@ class WarmPool:
             now = time.monotonic()
             with self._lock:
                 due = [j for j, w in self._sets.items() if w.expires <= now]
+                old = [n for n in self._shared if n.until - self.MARGIN_S <= now]
+                self._shared = [n for n in self._shared if n not in old]
+                if old:
+                    self._publish()
             for job_id in due:
-                self.release(job_id)
+                self.retire(job_id)
+            for node in old:
+                _end(node)
+
+
+def _key(provisioner: Provisioner, host: str) -> tuple | None:
+    """``provisioner.warm_key(host)``, None where it cannot say (a host its config cannot look up)."""
+    try:
+        return provisioner.warm_key(host)
+    except Exception:  # noqa: BLE001 - not shared then
+        return None
+
+
+def _end(node: WarmNode) -> None:
+    """End a shared agent: its link closes (it ends), killed after 2 s; its connection (ssh) is closed."""
+    node.handle.close()
+    if not node.handle.wait(2.0):
+        node.handle.kill()
+    client = getattr(node.handle, "client", None)  # a connection the node owns since it left its provisioner
+    if client is not None:
+        try:
+            client.close()
+        except Exception:  # noqa: BLE001 - already gone
+            pass
 
 
 def keep_warm_for(pool: WarmPool | None, spec: Any, plan: Any, provisioner: Provisioner, keep_s: float) -> float:
-    """The ``keep_warm_s`` an attempt's agents get (0: they end with it): the controller's ``keep_s`` where it has
-    a pool, the provisioner can hand agents on (:attr:`~orchestrator.provisioners.Provisioner.warm_capable`), the
-    job's restart policy may restart it (``max_restarts`` > 0), and its ranks are started by the agents (not by a
-    real launcher: ``launch_mode: native``)."""
-    if pool is None or keep_s <= 0 or not provisioner.warm_capable or not spec.restart.max_restarts:
+    """The ``keep_warm_s`` an attempt's agents get (0: they end with it), where the provisioner can hand agents on
+    (:attr:`~orchestrator.provisioners.Provisioner.warm_capable`) and the agents start the ranks (not a real
+    launcher: ``launch_mode: native``): the pool's :attr:`~WarmPool.share_s` (kept for other jobs), or the
+    controller's ``keep_s`` if longer and the job's restart policy may restart it (``max_restarts`` > 0)."""
+    if pool is None or not provisioner.warm_capable or any(n.native for n in plan.nodes):
         return 0.0
-    return 0.0 if any(n.native for n in plan.nodes) else keep_s
+    return max(keep_s if keep_s > 0 and spec.restart.max_restarts else 0.0, pool.share_s)
 
 
 def adopt_warm(pool: WarmPool | None, job_id: str, plan: Any, provisioner: Provisioner,
-               events: "queue.Queue[tuple[int, dict]]") -> dict[int, tuple[AgentHandle, Relay, dict]]:
-    """The job's parked agents on the hosts of ``plan`` (a restart's), each linked to its node there: its relay
-    delivers to ``events`` as that node's rank, ``provisioner`` adopts its connection. Returns node rank ->
-    ``(handle, relay, idle message)``; nodes without a parked agent are not in it."""
+               events: "queue.Queue[tuple[int, dict]]") -> dict[int, tuple[AgentHandle, Relay, WarmNode]]:
+    """The parked agents on the hosts of ``plan`` (the job's own from its attempt before, else, with a shared
+    pool, another job's whose :meth:`~orchestrator.provisioners.Provisioner.warm_key` matches), each linked to its
+    node there: its relay delivers to ``events`` as that node's rank, ``provisioner`` adopts its connection.
+    Returns node rank -> ``(handle, relay, parked node)``; nodes without a parked agent are not in it."""
     if pool is None:
         return {}
     taken = pool.take(job_id, {n.host for n in plan.nodes})
+    left = {n.host for n in plan.nodes} - set(taken)
+    if left and pool.share_s > 0 and provisioner.warm_capable and not any(n.native for n in plan.nodes):
+        taken.update(pool.take_shared({h: _key(provisioner, h) for h in left}))
     out = {}
     for node in plan.nodes:
         warm = taken.pop(node.host, None)
@@ -210,7 +359,7 @@ def adopt_warm(pool: WarmPool | None, job_id: str, plan: Any, provisioner: Provi
             continue
         warm.relay.retarget(events, node.node_rank)
         provisioner.adopt(node.node_rank, warm.handle)
-        out[node.node_rank] = (warm.handle, warm.relay, warm.idle)
+        out[node.node_rank] = (warm.handle, warm.relay, warm)
     return out
 
 

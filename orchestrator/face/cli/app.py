@@ -77,6 +77,27 @@ def _server_options(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--prometheus-targets", metavar="DIR", default=None,
                     help="directory for the Prometheus file_sd files of running attempts and of this server "
                          "(default $ORCH_PROMETHEUS_TARGETS or <state dir>/prometheus/targets; see docs/metrics.md)")
+    sp.add_argument("--keep-warm", type=_seconds, metavar="SECONDS",
+                    default=os.environ.get("ORCH_SERVER_KEEP_WARM_S", "0"),
+                    help="keep each ended job's agents (and their imported fork-server templates) up this long for "
+                         "the next job on the same hosts, which then starts without connecting, starting agents or "
+                         "importing torch again (default $ORCH_SERVER_KEEP_WARM_S or 0: agents end with their job; "
+                         "idle agents hold their memory meanwhile; see docs/fast_start.md)")
+
+
+def _seconds(text: str) -> float:
+    """A non-negative number of seconds (``--keep-warm``).
+
+    Raises:
+        argparse.ArgumentTypeError: anything else.
+    """
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"takes a number of seconds >= 0, e.g. 300; got {text!r}")
+    return value
 
 
 def _plan_options(sp: argparse.ArgumentParser) -> None:

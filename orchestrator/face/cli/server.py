@@ -126,7 +126,7 @@ def cmd_server(args: argparse.Namespace) -> int:
                          "--port or --host.") from err
     url = f"{scheme}://{_url_host(args.host)}:{args.port}"  # as this machine's CLI reaches it (wildcard: loopback)
     controller = Controller(state_dir, owner_url=url, recover_every_s=5.0,
-                            prometheus_targets=args.prometheus_targets)
+                            prometheus_targets=args.prometheus_targets, share_warm_s=args.keep_warm)
     try:
         controller.targets.write("controller", [{"targets": [f"{_url_host(args.host)}:{args.port}"],
                                                  "labels": {"orch_role": "controller"}}])
@@ -152,6 +152,9 @@ def cmd_server(args: argparse.Namespace) -> int:
     err_console.print(f"dashboard: {login_url(public, token)}\n"
                       f"(the token is in {state_dir / 'server.token'}, readable by you alone; the orch command "
                       "reads it from there, or from $ORCH_TOKEN or --token-file)", markup=False, highlight=False)
+    if args.keep_warm > 0:
+        err_console.print(f"agents stay warm for {args.keep_warm:g} s after each job, for the next job on the same "
+                          "hosts (--keep-warm)", markup=False, highlight=False)
     app = create_app(controller, token, allowed_hosts(args.host, args.allowed_host or []), secure=scheme == "https")
     server = _quiet_server_class()(uvicorn.Config(app, log_level="warning", ssl_certfile=args.tls_cert,
                                                   ssl_keyfile=args.tls_key))
