@@ -5,7 +5,10 @@ torchrun on each node vs one bare process.
 of examples/train_gpt.py (2 steps). The systems, run in alternating rounds (A B C D A B C D ...):
 
 * ``orch``: ``orch run job.yaml`` with the ssh provisioner (paramiko) and the pdsh launcher's semantics
-  (``fast_start`` as the spec's default);
+  (``fast_start`` as the spec's default), in the foreground: a new controller, new agents, every time;
+* ``orch_warm``: the same ``orch run job.yaml`` against an ``orch server --keep-warm 600`` that runs through
+  all the rounds (a user's long-lived server): each job takes the agents and fork-server templates the job
+  before it left on the hosts (no SSH session, no agent start, no import of torch and DeepSpeed);
 * ``deepspeed-pdsh``: ``deepspeed --hostfile H --launcher pdsh --master_addr A train_gpt.py ...``, the real
   runner with Debian's pdsh over OpenSSH (an ``ssh`` on PATH that adds ``-F <the hosts' ssh config>``, as a
   user's ~/.ssh/config would; the runner's own ssh check included) and a ``.deepspeed_env`` for the ranks'
@@ -13,7 +16,8 @@ of examples/train_gpt.py (2 steps). The systems, run in alternating rounds (A B 
 * ``torchrun``: ``ssh host torchrun --nnodes 3 --node_rank i ...`` to every host at once;
 * ``bare``: one local process, world size 1 (Python, the imports, a gloo group of one, one step).
 
-Before the rounds, a bare run and an orch run (not counted) warm the page cache and DeepSpeed's op caches (one
+Before the rounds, a bare run, an orch run and an orch_warm run (not counted; the last starts the server and
+leaves it warm agents) warm the page cache and DeepSpeed's op caches (one
 for the ranks started over ssh, one for the local bare process: :data:`EXT_DIRS`). Seconds from starting the
 command to the moment the *last* rank has logged ``[train] step=1``; min, median
 and max over the rounds, and each system's median over orch's. Needs root (namespaces).
@@ -28,6 +32,7 @@ import json
 import os
 import re
 import shlex
+import socket
 import statistics
 import subprocess
 import sys
@@ -65,6 +70,7 @@ class Systems:
 
     def __init__(self, net, work: Path) -> None:
         self.net, self.work = net, work
+        self.server: subprocess.Popen | None = None  # orch_warm's server, started by its first run
         self.port = 29600
         bin_dir = work / "bin"
         bin_dir.mkdir()
@@ -90,14 +96,7 @@ class Systems:
 
     def orch(self) -> float:
         d = self._dir("orch")
-        p = self.net.client_params()
-        spec = d / "job.yaml"
-        spec.write_text(yaml.safe_dump({
-            "name": "bench", "hostfile": str(self.hostfile), "provisioner": "ssh", "launcher": "pdsh",
-            "workdir": str(EXAMPLES), "entrypoint": "train_gpt.py", "args": ARGS,
-            "deepspeed_config": str(EXAMPLES / "ds_zero2.json"), "master_port": self._next_port(),
-            "ssh": {"user": p["user"], "identity_file": p["key_filename"], "known_hosts": p["known_hosts"]},
-            "env": {**self._vars(), "PATH": self.path}}))
+        spec = self._spec(d)
         env = {**os.environ, "ORCH_STATE_DIR": str(d / "state"), "PATH": self.path}
         t0 = time.perf_counter()
         proc = subprocess.Popen([sys.executable, "-m", "orchestrator", "run", str(spec)], env=env,
@@ -107,6 +106,51 @@ class Systems:
         if proc.wait(300) != 0:
             raise RuntimeError(f"orch run failed (state in {d})")
         return dt
+
+    def _spec(self, d: Path) -> Path:
+        p = self.net.client_params()
+        spec = d / "job.yaml"
+        spec.write_text(yaml.safe_dump({
+            "name": "bench", "hostfile": str(self.hostfile), "provisioner": "ssh", "launcher": "pdsh",
+            "workdir": str(EXAMPLES), "entrypoint": "train_gpt.py", "args": ARGS,
+            "deepspeed_config": str(EXAMPLES / "ds_zero2.json"), "master_port": self._next_port(),
+            "ssh": {"user": p["user"], "identity_file": p["key_filename"], "known_hosts": p["known_hosts"]},
+            "env": {**self._vars(), "PATH": self.path}}))
+        return spec
+
+    def orch_warm(self) -> float:
+        state = self.work / "warm-state"
+        env = {**os.environ, "ORCH_STATE_DIR": str(state), "PATH": self.path}
+        if self.server is None:
+            port = self._next_port()
+            self.server = subprocess.Popen([sys.executable, "-m", "orchestrator", "server", "--port", str(port),
+                                            "--keep-warm", "600"], env=env,
+                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            deadline = time.monotonic() + 60
+            while not _listening(port):
+                if self.server.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"orch server did not start (state in {state})")
+                time.sleep(0.1)
+        spec = self._spec(self._dir("warm"))
+        before = set((state / "jobs").glob("*")) if (state / "jobs").exists() else set()
+        t0 = time.perf_counter()
+        proc = subprocess.Popen([sys.executable, "-m", "orchestrator", "run", str(spec)], env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        logs = lambda: [f for j in set((state / "jobs").glob("*")) - before  # noqa: E731
+                        for f in j.glob("attempt-1/logs/rank-*.log")]
+        dt = wait_step1(logs, HOSTS, t0, [proc], 300, STEP1)
+        if proc.wait(300) != 0:
+            raise RuntimeError(f"orch run (server) failed (state in {state})")
+        return dt
+
+    def close(self) -> None:
+        """Stop the server of ``orch_warm`` (its kept agents end with it)."""
+        if self.server is not None and self.server.poll() is None:
+            self.server.terminate()
+            try:
+                self.server.wait(60)
+            except subprocess.TimeoutExpired:
+                self.server.kill()
 
     def deepspeed_pdsh(self) -> float:
         d = self._dir("ds")
@@ -159,31 +203,42 @@ class Systems:
         return dt
 
 
-def measure(rounds: int, systems: tuple[str, ...] = ("orch", "deepspeed_pdsh", "torchrun", "bare"),
+def _listening(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def measure(rounds: int, systems: tuple[str, ...] = ("orch", "orch_warm", "deepspeed_pdsh", "torchrun", "bare"),
             log: Callable[[str], None] = print) -> dict[str, list[float]]:
     """``{system: [seconds per round]}``, the systems interleaved round by round on one 3-host network."""
     from nethosts import TestNetwork
     times: dict[str, list[float]] = {s: [] for s in systems}
     with tempfile.TemporaryDirectory(prefix="orch-bench-ssh-") as work, TestNetwork(HOSTS) as net:
         runs = Systems(net, Path(work))
-        runs.bare()  # warm the page cache and both op caches (a round not counted)
-        runs.orch()
-        for i in range(rounds):
-            for s in systems:
-                times[s].append(getattr(runs, s)())
-            log(f"round {i + 1}: " + "  ".join(f"{s} {v[-1]:.2f}s" for s, v in times.items()))
+        try:
+            runs.bare()  # warm the page cache and both op caches (a round not counted)
+            runs.orch()
+            if "orch_warm" in systems:
+                runs.orch_warm()  # starts the server; its agents stay warm for the first counted round
+            for i in range(rounds):
+                for s in systems:
+                    times[s].append(getattr(runs, s)())
+                log(f"round {i + 1}: " + "  ".join(f"{s} {v[-1]:.2f}s" for s, v in times.items()))
+        finally:
+            runs.close()
     return times
 
 
 def table(times: dict[str, list[float]]) -> str:
-    """A markdown table: min / median / max per system, and its median over orch's."""
-    base = statistics.median(times["orch"]) if times.get("orch") else None
-    lines = ["| system | min | median | max | orch / system |", "|---|---|---|---|---|"]
+    """A markdown table: min / median / max per system, and orch's and orch_warm's medians over its."""
+    orchs = [o for o in ("orch", "orch_warm") if times.get(o)]
+    lines = ["| system | min | median | max | " + " | ".join(f"{o} / system" for o in orchs) + " |",
+             "|---|---|---|---|" + "---|" * len(orchs)]
     for s, v in times.items():
         med = statistics.median(v)
-        ratio = f"{base / med:.2f}" if base else "-"
+        ratios = " | ".join(f"{statistics.median(times[o]) / med:.2f}" for o in orchs)
         lines.append(f"| {s.replace('_', ' --launcher ') if s == 'deepspeed_pdsh' else s} | {min(v):.2f} s | "
-                     f"{med:.2f} s | {max(v):.2f} s | {ratio} |")
+                     f"{med:.2f} s | {max(v):.2f} s | {ratios} |")
     return "\n".join(lines)
 
 

@@ -111,7 +111,7 @@ def main() -> int:
             proc.stdin.close()
             proc.wait(30)
     load = os.getloadavg()[0]
-    print(f"\n| where | min | median | max |\n|---|---|---|---|")
+    print("\n| where | min | median | max |\n|---|---|---|---|")
     for kind, values in times.items():
         print(f"| {kind} | {min(values):.2f} s | {statistics.median(values):.2f} s | {max(values):.2f} s |")
     a, b = (statistics.median(v) for v in times.values())
