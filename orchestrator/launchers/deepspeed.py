@@ -446,12 +446,12 @@ class DeepSpeedLauncher:
             "CROSS_SIZE": str(len(ctx.world)),
             "LOCAL_SIZE": str(len(slots)),
         })
-        out = []
+        out, argvs = [], ctx.once("launch.py argvs", dict)  # local rank -> argv: made once per pool, not per rank
         for global_rank, local_rank, slot in rank_layout(ctx.world, node_rank, ctx.rank_offsets[node_rank]):
             env = dict(common)
             env["RANK"] = str(global_rank)
             env["LOCAL_RANK"] = str(local_rank)
-            argv = ctx.once(("launch.py argv", local_rank), lambda: tuple(self._rank_argv(ctx, local_rank)))
+            argv = argvs.get(local_rank) or argvs.setdefault(local_rank, tuple(self._rank_argv(ctx, local_rank)))
             out.append(RankLaunch(global_rank=global_rank, local_rank=local_rank, slot=slot, argv=argv, env=env))
         return out
 

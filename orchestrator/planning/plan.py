@@ -133,10 +133,12 @@ class RankPlan:
     argv: tuple[str, ...]
     env: Mapping[str, str]
 
-    def to_dict(self) -> dict:
-        """JSON-able form."""
+    def to_dict(self, shared: bool = False) -> dict:
+        """JSON-able form. ``shared``: ``argv`` is the plan's own tuple and ``env`` the plan's own dict (when it is
+        one), not copies: the same JSON text, for a caller that encodes it at once and changes nothing in it."""
+        env = self.env if shared and type(self.env) is dict else dict(self.env)
         return {"global_rank": self.global_rank, "local_rank": self.local_rank, "slot": self.slot,
-                "argv": list(self.argv), "env": dict(self.env)}
+                "argv": self.argv if shared else list(self.argv), "env": env}
 
 
 @dataclass(frozen=True)
@@ -197,10 +199,12 @@ class NodePlan:
     metrics_addr: str = "0.0.0.0"
     env_from_file: Mapping[str, str] = field(default_factory=dict)
 
-    def to_dict(self) -> dict:
-        """JSON-able form (what the agent receives in its ``start`` message)."""
+    def to_dict(self, shared: bool = False) -> dict:
+        """JSON-able form (what the agent receives in its ``start`` message); ``shared``: each rank's argv and
+        environment are the plan's own, not copies (:meth:`RankPlan.to_dict`)."""
         return {"node_rank": self.node_rank, "host": self.host, "slots": list(self.slots),
-                "ranks": [r.to_dict() for r in self.ranks], "workdir": self.workdir,
+                "ranks": [r.to_dict(shared) for r in self.ranks] if shared else [r.to_dict() for r in self.ranks],
+                "workdir": self.workdir,
                 "log_dir": self.log_dir, "agent_store": dict(self.agent_store) if self.agent_store else None,
                 "env_defaults": dict(self.env_defaults), "metrics_port": self.metrics_port,
                 "metrics_dir": self.metrics_dir, "deepspeed_monitor_dir": self.deepspeed_monitor_dir,
@@ -265,13 +269,15 @@ class JobPlan:
         """Every (node, rank) pair in global-rank order."""
         return [(n, r) for n in self.nodes for r in n.ranks]
 
-    def to_dict(self) -> dict:
-        """JSON-able form (what the store keeps and ``orch plan --output json`` prints)."""
+    def to_dict(self, shared: bool = False) -> dict:
+        """JSON-able form (what the store keeps and ``orch plan --output json`` prints). ``shared``: each rank's
+        argv (a tuple) and environment are the plan's own, not copies (:meth:`RankPlan.to_dict`): the same JSON
+        text, made faster, for a caller that encodes it at once and changes nothing in it."""
         return {
             "job_id": self.job_id, "job_name": self.job_name, "attempt": self.attempt,
             "launcher": self.launcher, "provisioner": self.provisioner,
             "master_addr": self.master_addr, "master_port": self.master_port,
-            "world_size": self.world_size, "nodes": [n.to_dict() for n in self.nodes],
+            "world_size": self.world_size, "nodes": [n.to_dict(shared) for n in self.nodes],
             "real_commands": [{"where": c.where, "argv": list(c.argv), "env": dict(c.env)}
                               for c in self.real_commands],
             "exports": dict(self.exports), "run_dir": self.run_dir, "checkpoint_dir": self.checkpoint_dir,
