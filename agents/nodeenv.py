@@ -10,8 +10,6 @@ from __future__ import annotations
 import os
 from typing import Mapping
 
-from .opbuild import default_extensions_dir, rank_python
-
 __all__ = ["SLURM_STEP_VARS", "node_env", "rank_env", "read_env_files"]
 
 
@@ -71,6 +69,7 @@ def rank_env(base_env: dict[str, str], node: dict, rank: dict) -> dict[str, str]
         if first not in path.split(os.pathsep):
             env["PATH"] = f"{first}{os.pathsep}{path}" if path else first
     if "ORCH_DEEPSPEED_CONFIG" in env and not env.get("TORCH_EXTENSIONS_DIR"):
+        from .opbuild import default_extensions_dir, rank_python  # here: orch plan's preview does without (hashlib)
         python = rank_python(rank.get("argv") or [], env)  # a DeepSpeed job's ops: its environment's own cache
         if python:
             env["TORCH_EXTENSIONS_DIR"] = default_extensions_dir(python, env)

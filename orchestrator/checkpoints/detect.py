@@ -5,10 +5,13 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from .formats import CheckpointFormat, DeepSpeedFormat, OrchFormat
-from .hf import AccelerateFormat, HFTrainerFormat
-from .tags import MARKER
+if TYPE_CHECKING:
+    from .formats import CheckpointFormat
+
+# The formats are imported where they are used: ``orch plan`` asks which format a directory that is usually
+# not there yet holds, and loading every format for that was ~25 ms of its start-up.
 
 __all__ = ["get_format", "detect_format", "FORMAT_NAMES"]
 
@@ -22,6 +25,8 @@ def get_format(name: str) -> CheckpointFormat:
     Raises:
         ValueError: no such format.
     """
+    from .formats import DeepSpeedFormat, OrchFormat
+    from .hf import AccelerateFormat, HFTrainerFormat
     formats = {"orch": OrchFormat, "deepspeed": DeepSpeedFormat, "hf_trainer": HFTrainerFormat,
                "accelerate": AccelerateFormat}
     if name not in formats:
@@ -43,6 +48,8 @@ def detect_format(root: str | Path) -> tuple[str, str]:
         return "deepspeed", f"{root} does not exist yet"
     except OSError as err:
         return "deepspeed", f"{root} cannot be read ({err.strerror or err})"
+    from .hf import AccelerateFormat
+    from .tags import MARKER
     for p in children:
         if os.path.exists(p / MARKER):  # False, not an error, for an unreadable tag
             return "orch", f"{p.name}/{MARKER}"

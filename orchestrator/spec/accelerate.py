@@ -77,7 +77,7 @@ class AccelerateSettings(BaseModel):
 class _DeepSpeedSection(BaseModel):
     """The ``deepspeed_config`` section of an Accelerate config (``accelerate config``'s questions)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)  # built when a file is read: not for every orch plan
 
     zero_stage: int | None = Field(None, ge=0, le=3)
     gradient_accumulation_steps: int | None = Field(None, ge=1)
@@ -104,7 +104,7 @@ DEEPSPEED_SECTION_KEYS = tuple(_DeepSpeedSection.model_fields)
 class _AccelerateFile(BaseModel):
     """An Accelerate config file's keys (``commands/config/config_args.py`` ``ClusterConfig``)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)
 
     compute_environment: Literal["LOCAL_MACHINE", "AMAZON_SAGEMAKER"] = "LOCAL_MACHINE"
     distributed_type: str | None = None

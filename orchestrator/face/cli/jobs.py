@@ -20,7 +20,6 @@ from .backends import StoreBackend, http_backend, find_server, pick_backend, sta
 from .options import load_job, report_shell_env
 from .output import UsageError, console, emit_detail, err_console, print_json
 from .planview import SUMMARY_ABOVE_NODES, print_layout, print_real_commands
-from .render import resume_preview_lines, start_checkpoint
 
 
 @contextlib.contextmanager
@@ -53,7 +52,7 @@ def _plan(args: argparse.Namespace) -> int:
     plan = redact(plan, spec.secret_env)  # what is shown: secret-looking values are **** (docs/security.md)
     report_shell_env(args)
     if args.output == "json":
-        whole = {**plan.to_dict(), "network": {str(n): v for n, v in interfaces.items()}}
+        whole = {**plan.to_dict(shared=True), "network": {str(n): v for n, v in interfaces.items()}}
         if len(plan.nodes) > SUMMARY_ABOVE_NODES:  # on one line (indent=2 took 2 s of 4,096 x 8): planjson's docstring
             from .planjson import iterencode_plan
             for piece in iterencode_plan(whole):
@@ -164,6 +163,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def _resume_preview(args: argparse.Namespace, url: str | None) -> int:
+    from .render import resume_preview_lines  # here, not at the top: orch plan does without rich's tables
     if url:
         preview = http_backend(args, url).resume_preview(args.job, args.exclude)
     else:
@@ -185,6 +185,7 @@ def _resume_preview(args: argparse.Namespace, url: str | None) -> int:
 
 
 def cmd_resume(args: argparse.Namespace) -> int:
+    from .render import start_checkpoint
     url = find_server(args)
     if args.dry_run:
         return _resume_preview(args, url)

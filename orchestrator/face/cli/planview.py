@@ -13,14 +13,16 @@ from __future__ import annotations
 import os
 import shlex
 from collections import Counter
-from typing import Any, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Sequence, TypeVar
 
-from rich.table import Table
 from rich.text import Text
 
 from agents import devices
 
 from .output import console
+
+if TYPE_CHECKING:
+    from rich.table import Table
 
 __all__ = ["SUMMARY_ABOVE_NODES", "SHOWN_ROWS", "ENDS", "print_layout", "print_real_commands", "ends"]
 
@@ -86,6 +88,7 @@ def _counts_line(plan: Any) -> str:
 
 def _nodes_table(plan: Any, interfaces: dict[int, str], nodes: Sequence[Any], left_out: int,
                  tail: Sequence[Any]) -> Table:
+    from rich.table import Table  # here: orch plan --output json shows no table (~9 ms of imports)
     table = Table(title="Nodes", box=None, title_justify="left", pad_edge=False)
     for col in ("node rank", "host", "slots", "global ranks", "metrics", "collectives' interface"):
         table.add_column(col, overflow="fold")
@@ -105,6 +108,7 @@ def _ranks_table(rows: Sequence[tuple[Any, Any, dict]], common: dict, here: Any,
                  split: int = 0) -> Table:
     """The Ranks table: ``rows`` of (node, rank, its environment as run), with ``left_out`` ranks not shown
     after the first ``split`` rows."""
+    from rich.table import Table
     table = Table(title="Ranks", box=None, title_justify="left", pad_edge=False)
     for col in ("rank", "node", "local rank", "slot", "rank's own environment", "command line"):
         table.add_column(col, overflow="fold")
