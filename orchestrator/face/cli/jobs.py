@@ -10,7 +10,7 @@ import shlex
 import sys
 import uuid
 import time
-from typing import Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 from rich.text import Text
 
@@ -55,8 +55,7 @@ def _plan(args: argparse.Namespace) -> int:
         whole = {**plan.to_dict(shared=True), "network": {str(n): v for n, v in interfaces.items()}}
         if len(plan.nodes) > SUMMARY_ABOVE_NODES:  # on one line (indent=2 took 2 s of 4,096 x 8): planjson's docstring
             from .planjson import iterencode_plan
-            for piece in iterencode_plan(whole):
-                sys.stdout.write(piece)
+            _write_joined(iterencode_plan(whole), sys.stdout.write)
             sys.stdout.write("\n")
         else:
             print_json(whole)
@@ -100,6 +99,21 @@ def _plan(args: argparse.Namespace) -> int:
     for w in plan.warnings:
         err_console.print(Text(f"warning: {w}", style="yellow"), soft_wrap=True)
     return 0
+
+
+def _write_joined(pieces: Iterable[str], write: Callable[[str], Any], at_least: int = 1 << 18) -> None:
+    """``write`` each run of ``pieces`` joined, once it holds ``at_least`` characters (and the rest at the end).
+    A write per node of a plan of 4,096 (7.5 KB each) cost ~20-80 ms more into a pipe than 256 KiB at a time."""
+    run: list[str] = []
+    size = 0
+    for piece in pieces:
+        run.append(piece)
+        size += len(piece)
+        if size >= at_least:
+            write("".join(run))
+            run, size = [], 0
+    if run:
+        write("".join(run))
 
 
 def devices_line(plan, here) -> str:
