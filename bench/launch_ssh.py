@@ -6,7 +6,7 @@ of examples/train_gpt.py (2 steps). The systems, run in alternating rounds (A B 
 
 * ``orch``: ``orch run job.yaml`` with the ssh provisioner (paramiko) and the pdsh launcher's semantics
   (``fast_start`` as the spec's default), in the foreground: a new controller, new agents, every time;
-* ``orch_warm``: the same ``orch run job.yaml`` against an ``orch server --keep-warm 600`` that runs through
+* ``orch_warm``: ``orch submit job.yaml`` (the same job) to an ``orch server --keep-warm 600`` that runs through
   all the rounds (a user's long-lived server): each job takes the agents and fork-server templates the job
   before it left on the hosts (no SSH session, no agent start, no import of torch and DeepSpeed);
 * ``deepspeed-pdsh``: ``deepspeed --hostfile H --launcher pdsh --master_addr A train_gpt.py ...``, the real
@@ -134,13 +134,21 @@ class Systems:
         spec = self._spec(self._dir("warm"))
         before = set((state / "jobs").glob("*")) if (state / "jobs").exists() else set()
         t0 = time.perf_counter()
-        proc = subprocess.Popen([sys.executable, "-m", "orchestrator", "run", str(spec)], env=env,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        submit = subprocess.run([sys.executable, "-m", "orchestrator", "--output", "json", "submit", str(spec)],
+                                env=env, capture_output=True, text=True, timeout=120)
+        if submit.returncode != 0:
+            raise RuntimeError(f"orch submit failed: {submit.stderr[-2000:]}")
+        job_id = json.loads(submit.stdout)["id"]
         logs = lambda: [f for j in set((state / "jobs").glob("*")) - before  # noqa: E731
                         for f in j.glob("attempt-1/logs/rank-*.log")]
-        dt = wait_step1(logs, HOSTS, t0, [proc], 300, STEP1)
-        if proc.wait(300) != 0:
-            raise RuntimeError(f"orch run (server) failed (state in {state})")
+        dt = wait_step1(logs, HOSTS, t0, [], 300, STEP1)
+        deadline = time.monotonic() + 300
+        while (end := _state(state, job_id)) not in ("SUCCEEDED", "FAILED", "CANCELLED"):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"job {job_id} did not end (state in {state})")
+            time.sleep(0.2)
+        if end != "SUCCEEDED":
+            raise RuntimeError(f"job {job_id} {end} (state in {state})")
         return dt
 
     def close(self) -> None:
@@ -201,6 +209,16 @@ class Systems:
         dt = wait_step1([log], 1, t0, [proc], 300, STEP1)
         proc.wait(300)
         return dt
+
+
+def _state(state_dir: Path, job_id: str) -> str:
+    """The job's state in the server's store."""
+    from orchestrator.store import Store
+    store = Store(state_dir / "orch.db")
+    try:
+        return store.get_job(job_id).state.value
+    finally:
+        store.close()
 
 
 def _listening(port: int) -> bool:

@@ -143,3 +143,44 @@ def test_a_shared_agent_is_taken_only_by_its_own_key() -> None:
     assert pool.take_shared({"a": ("ssh", "a", 22, "me"), "b": ("ssh", "b", 22, "me")}) == {"a": nodes[0]}
     assert nodes[1].handle.closed and not nodes[0].handle.closed and pool.shared() == []
     pool.close()
+
+
+def test_a_job_right_after_the_last_waits_for_its_agents_to_come_back() -> None:
+    """A job ends (its state is recorded) before its agents are stopped and parked: a job submitted at once on the
+    same hosts waits for them (WarmPool.expect, up to WAIT_S) instead of starting new agents beside them."""
+    import threading
+
+    from orchestrator.supervision.warm import Relay, WarmNode, WarmPool
+
+    class Provisioner:  # the one seam: what parks and hands on agents
+        def detach(self, node_rank: int) -> None:
+            pass
+
+        def forget(self, node_rank: int) -> None:
+            pass
+
+        def close(self) -> None:
+            pass
+
+        def warm_key(self, host: str) -> tuple:
+            return ("local", "python")
+
+    class Handle:
+        def close(self) -> None:
+            pass
+
+        def wait(self, timeout: float | None = None) -> bool:
+            return True
+
+    pool = WarmPool(share_s=60)
+    pool.expect("j1", {"a"})
+    node = WarmNode("a", Handle(), Relay(None, 0), {"pid": 1})
+
+    def teardown() -> None:
+        time.sleep(1.0)
+        pool.park("j1", 1, Provisioner(), {"a": node}, keep_s=60)
+        pool.retire("j1")
+    threading.Thread(target=teardown).start()
+    assert pool.take_shared({"a": ("local", "python")}) == {"a": node}
+    assert pool.take_shared({"a": ("local", "python")}) == {}  # nothing expected now: no wait, none left
+    pool.close()

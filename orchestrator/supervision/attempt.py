@@ -437,6 +437,8 @@ class AttemptRun(AttemptMessages):
     def _set(self, state: JobState, cause: dict | None = None) -> None:
         """Change the job's state (the store's transition table applies); a disk that refuses the write
         does not stop the attempt from acting on it: the write is replayed once it can be (:meth:`_record_later`)."""
+        if state in (JobState.SUCCEEDED, JobState.CANCELLED) and self.keep_warm_s > 0 and self._shares_warm():
+            self.services.warm.expect(self.job_id, {n.host for n in self.plan.nodes})  # before anyone sees the end
         try:
             self.store.set_state(self.job_id, state, cause=cause)
         except StoreFullError:
@@ -529,7 +531,8 @@ class AttemptRun(AttemptMessages):
             self._release()
 
     def _shares_warm(self) -> bool:
-        """Whether the agents of an attempt that did not fail are kept too (for other jobs: ``orch server --keep-warm``)."""
+        """Whether the agents of an attempt that did not fail are kept too (for other jobs: ``orch server
+        --keep-warm``)."""
         return self.services.warm is not None and self.services.warm.share_s > 0
 
     def _revise_cause(self, lost: set[int]) -> None:

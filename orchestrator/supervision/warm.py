@@ -134,6 +134,9 @@ class WarmPool:
 
     #: A shared agent is not handed out (and is ended) this many seconds before it would stop waiting by itself.
     MARGIN_S = 5.0
+    #: How long a job's attempt waits for the agents of a job that just ended on its hosts (:meth:`expect`) to
+    #: come back to the pool, at most (starting new ones takes longer), and how long such an expectation holds.
+    WAIT_S, EXPECT_S = 5.0, 60.0
 
     def __init__(self, share_s: float = 0.0, record: Path | None = None, owner: dict | None = None) -> None:
         self.share_s = share_s
@@ -141,6 +144,8 @@ class WarmPool:
         self._sets: dict[str, WarmSet] = {}
         self._shared: list[WarmNode] = []
         self._lock = threading.Lock()
+        self._landed = threading.Condition(self._lock)
+        self._incoming: dict[str, tuple[set[str], float]] = {}  # job id -> (hosts, until): see expect()
         self._closed = threading.Event()
         self._reaper: threading.Thread | None = None
 
@@ -163,6 +168,26 @@ class WarmPool:
             self._start_reaper()
         if old is not None:
             self._close(old)
+
+    def expect(self, job_id: str, hosts: set[str]) -> None:
+        """The job has just ended (its state is recorded before its agents are stopped and parked): until they are
+        retired or released (or :data:`EXPECT_S` passes), :meth:`take_shared` for any of ``hosts`` waits up to
+        :data:`WAIT_S` for them, so that a job submitted as soon as the last one ended finds its agents."""
+        if self.share_s > 0 and not self._closed.is_set():
+            with self._lock:
+                self._incoming[job_id] = (set(hosts), time.monotonic() + self.EXPECT_S)
+
+    def _arrived(self, job_id: str) -> None:
+        """The job's agents are in the pool or gone (called holding the lock)."""
+        if self._incoming.pop(job_id, None) is not None:
+            self._landed.notify_all()
+
+    def _await(self, hosts: set[str]) -> None:
+        """Wait (holding the lock, up to :data:`WAIT_S`) while agents of an ended job on ``hosts`` are on their way."""
+        deadline = time.monotonic() + self.WAIT_S
+        while (now := time.monotonic()) < deadline and not self._closed.is_set() and any(
+                until > now and h & hosts for h, until in self._incoming.values()):
+            self._landed.wait(min(deadline - now, 0.5))
 
     def take(self, job_id: str, hosts: set[str]) -> dict[str, WarmNode]:
         """The job's parked agents on ``hosts`` whose link is still open, for its next attempt (host -> node); their
@@ -187,6 +212,7 @@ class WarmPool:
         taken: dict[str, WarmNode] = {}
         dead: list[WarmNode] = []
         with self._lock:
+            self._await({h for h, k in keys.items() if k is not None})
             now = time.monotonic()
             for node in list(self._shared):
                 if node.host in taken or keys.get(node.host) is None or keys[node.host] != node.key:
@@ -220,16 +246,18 @@ class WarmPool:
         (:meth:`release`). False when none were parked."""
         with self._lock:
             warm = self._sets.pop(job_id, None)
-        if warm is None:
-            return False
-        self._retire(warm)
-        return True
+        if warm is not None:
+            self._retire(warm)
+        with self._lock:
+            self._arrived(job_id)
+        return warm is not None
 
     def release(self, job_id: str) -> bool:
         """End the job's parked agents (their links close; an agent that does not end within 2 s is killed) and
         close their provisioner; False when none were parked."""
         with self._lock:
             warm = self._sets.pop(job_id, None)
+            self._arrived(job_id)
         if warm is None:
             return False
         self._close(warm)
@@ -242,6 +270,8 @@ class WarmPool:
             sets, self._sets = list(self._sets.values()), {}
             shared, self._shared = self._shared, []
             self._publish()
+            self._incoming.clear()
+            self._landed.notify_all()
         for warm in sets:
             self._close(warm)
         for node in shared:
