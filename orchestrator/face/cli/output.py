@@ -48,11 +48,16 @@ _CONTROL = re.compile(r"(?:\x1b\[|\x9b)[0-?]*[ -/]*[@-~]|\x1b[\]P^_X][^\x07\x1b]
                       r"[\x00-\x08\x0b-\x1f\x7f\x80-\x9f]")
 
 
+#: Lone surrogates: what Python makes of command-line bytes that are not UTF-8; no stream can write them as such
+_SURROGATE = re.compile(r"[\ud800-\udfff]")
+
+
 def printable(text: str) -> str:
-    """``text`` without terminal control sequences and control characters (tab and newline kept): what
-    ranks print reaches the user's terminal as text, never as commands to it (the log files keep the raw
-    bytes; ``--output json`` escapes them)."""
-    return _CONTROL.sub("", text)
+    """``text`` without terminal control sequences and control characters (tab and newline kept), and with
+    lone surrogates written as ``\\udXXX``: what ranks print, or a command line of bytes that are not UTF-8,
+    reaches the user's terminal as text, never as commands to it nor as an encoding error (the log files keep
+    the raw bytes; ``--output json`` escapes them)."""
+    return _SURROGATE.sub(lambda m: f"\\u{ord(m[0]):04x}", _CONTROL.sub("", text))
 
 
 class Parser(argparse.ArgumentParser):
