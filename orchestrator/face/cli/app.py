@@ -86,7 +86,7 @@ def _server_options(sp: argparse.ArgumentParser) -> None:
 
 
 def _seconds(text: str) -> float:
-    """A non-negative number of seconds (``--keep-warm``).
+    """A non-negative number of seconds (``--keep-warm``, and ``$ORCH_SERVER_KEEP_WARM_S``: its default).
 
     Raises:
         argparse.ArgumentTypeError: anything else.
@@ -96,7 +96,8 @@ def _seconds(text: str) -> float:
     except ValueError:
         value = -1.0
     if not value >= 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"takes a number of seconds >= 0, e.g. 300; got {text!r}")
+        raise argparse.ArgumentTypeError(f"takes a number of seconds >= 0, e.g. 300 (so does $ORCH_SERVER_KEEP_WARM_S, "
+                                         f"its default); got {text!r}")
     return value
 
 
