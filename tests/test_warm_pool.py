@@ -70,6 +70,8 @@ def test_the_next_job_takes_the_agents_and_templates_of_the_last(orch, write_spe
             {h: ("agent_kept", up[h]["pid"], first) for h in up}
         for host, note in _started(orch, second).items():
             assert note["forked"] and note["kept"] and note["template"] == templates[host], note
+        assert f"agents kept warm on node-0, node-1 (from job {first})" in orch("status", second).stdout
+        assert [k["from_job"] for k in orch.json("status", second)["agents_kept"]] == [first, first]
 
         gc = orch.json("gc")
         assert not set(gc["killed"]) & set(record["pids"])

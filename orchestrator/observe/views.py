@@ -232,6 +232,7 @@ def job_detail(store: Store, job_id: str) -> dict[str, Any]:
         d["node_states"] = []
     d["allocation"] = allocation_view(store, job.id)
     d["ops"] = ops_view(store, job.id, job.attempt)
+    d["agents_kept"] = kept_view(store, job.id, job.attempt)
     d["next_steps"] = next_steps(d)
     return redact(d, (job.spec or {}).get("secret_env") or ())  # secret-looking values: **** (docs/security.md)
 
@@ -255,6 +256,24 @@ def ops_view(store: Store, job_id: str, attempt: int) -> list[dict[str, Any]] | 
         if ev.kind == "preflight" and ev.attempt == attempt:
             found = list(ev.data.get("ops") or [])
     return found
+
+
+def kept_view(store: Store, job_id: str, attempt: int) -> list[dict[str, Any]]:
+    """The nodes of the attempt that took an agent kept warm instead of starting one (its ``agent_kept`` events):
+    ``[{"host", "from_job" (None: the job's own earlier attempt), "from_attempt"}]``, in node order."""
+    return [{"host": ev.data.get("host"), "from_job": ev.data.get("from_job"),
+             "from_attempt": ev.data.get("from_attempt")}
+            for ev in store.events(job_id) if ev.kind == "agent_kept" and ev.attempt == attempt]
+
+
+def kept_words(kept: list[dict[str, Any]] | None) -> str | None:
+    """One line for people: ``agents kept warm on node-0, node-1 (from job J): no agent start, no import``; None
+    when no node took one."""
+    if not kept:
+        return None
+    sources = sorted({f"job {k['from_job']}" if k.get("from_job") else "the attempt before" for k in kept})
+    return (f"agents kept warm on {', '.join(str(k['host']) for k in kept)} (from {', '.join(sources)}): no agent "
+            "start, no import again")
 
 
 def ops_words(ops: list[dict[str, Any]] | None) -> str | None:

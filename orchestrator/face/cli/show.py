@@ -11,7 +11,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ...errors import OrchError
-from ...observe.views import ops_words
+from ...observe.views import kept_words, ops_words
 from .backends import pick_backend
 from ..limits import MAX_LIST_JOBS
 from .output import ago, console, err_console, print_json, printable, styled
@@ -62,6 +62,9 @@ def cmd_status(args: argparse.Namespace) -> int:
         c.print(line, markup=False, highlight=False, style="yellow")
     for line in cause_lines(detail)[1:]:
         c.print(line, markup=False, highlight=False)
+    kept = kept_words(detail.get("agents_kept"))
+    if kept:
+        c.print(kept, markup=False, highlight=False)
     ops = ops_words(detail.get("ops"))
     if ops:
         c.print(f"DeepSpeed ops (preflight of attempt {detail['attempt']}): {ops}", markup=False, highlight=False)
