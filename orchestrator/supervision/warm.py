@@ -222,7 +222,8 @@ class WarmPool:
                     taken[node.host] = node
                 else:
                     dead.append(node)
-            self._publish()
+            if taken or dead:
+                self._publish()
         for node in dead:
             _end(node)
         return taken
