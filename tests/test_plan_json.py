@@ -37,10 +37,12 @@ def test_the_shared_dict_of_a_plan_is_the_same_json_without_copies(tmp_path) -> 
     plan = _plan(tmp_path, 5, env={"QUOTED": 'say "hi"', "WIDE": "d\u00e9j\u00e0"}, args=["--x", "1"])
     shared, copied = plan.to_dict(shared=True), plan.to_dict()
     assert dumps_plan(shared) == dumps_plan(copied) == json.dumps(copied, default=str)
-    assert json.dumps(shared, indent=2, default=str) == json.dumps(copied, indent=2, default=str)  # orch plan's small plans
+    # (indented: orch plan's small plans)
+    assert json.dumps(shared, indent=2, default=str) == json.dumps(copied, indent=2, default=str)
     rank = plan.nodes[4].ranks[7]
     assert shared["nodes"][4]["ranks"][7]["env"] is rank.env and shared["nodes"][4]["ranks"][7]["argv"] is rank.argv
-    assert copied["nodes"][4]["ranks"][7]["env"] is not rank.env and copied["nodes"][4]["ranks"][7]["argv"] == list(rank.argv)
+    copied_rank = copied["nodes"][4]["ranks"][7]
+    assert copied_rank["env"] is not rank.env and copied_rank["argv"] == list(rank.argv)
     frozen = dataclasses.replace(rank, env=types.MappingProxyType(dict(rank.env)))  # a mapping that is not a dict
     assert frozen.to_dict(shared=True)["env"] == dict(rank.env) and type(frozen.to_dict(shared=True)["env"]) is dict
 

@@ -108,7 +108,8 @@ class Controller:
         self.targets = TargetsWriter(Path(prometheus_targets).expanduser() if prometheus_targets
                                      else default_targets_dir(self.state_dir))
         self.restarts = Restarts(self.store, self.owner, self._restart)
-        self.warm = WarmPool(share_warm_s, self.state_dir / WARM_RECORD, self.owner)  # agents kept for a restart, or for later jobs (.warm)
+        # agents kept for a restart, or for later jobs (.warm)
+        self.warm = WarmPool(share_warm_s, self.state_dir / WARM_RECORD, self.owner)
         self._runs: dict[str, AttemptRun] = {}
         self._queued: dict[str, QueuedAttempt] = {}  # job id -> its attempt waiting for a scheduler's nodes
         self._lock = threading.Lock()
