@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import Any, Callable, Hashable, Mapping, Protocol, TypeVar
 
-__all__ = ["LaunchContext", "RankLaunch", "RealCommand", "Launcher", "check_context", "script_argv",
+__all__ = ["LaunchContext", "RankLaunch", "NodeRanks", "RealCommand", "Launcher", "check_context", "script_argv",
            "discovered_env", "SHIM_TOKEN"]
 
 #: In a native command (``launch_mode: native``), the word the node's agent replaces with the path
@@ -172,6 +172,29 @@ class RankLaunch:
         # What the dataclass would write, in one step: its frozen __init__ sets each field through
         # object.__setattr__, ~2x slower; a plan of 4,096 x 8 makes 32,768 of these (the dataclass keeps this one)
         self.__dict__.update(global_rank=global_rank, local_rank=local_rank, slot=slot, argv=argv, env=env)
+
+
+@dataclass(frozen=True)
+class NodeRanks:
+    """A node's ranks with their variables in two parts: what every rank of the node shares, and each rank's own.
+    Rank ``i``'s environment is ``{**common, **ranks[i][4]}`` (:meth:`launches`); a planner that lays more
+    variables over it (``orchestrator.planning``) makes the shared part once per node instead of once per rank.
+
+    Attributes:
+        common: the variables every rank of the node gets, in order.
+        names: the names every rank's ``own`` variables have, in order (and no other).
+        ranks: ``(global_rank, local_rank, slot, argv, own)`` of each rank in spawn order (as
+            :class:`RankLaunch`), ``own`` its own variables (``names``), laid over ``common``.
+    """
+
+    common: Mapping[str, str]
+    names: tuple[str, ...]
+    ranks: list[tuple[int, int, int, tuple[str, ...], dict[str, str]]]
+
+    def launches(self) -> list[RankLaunch]:
+        """The ranks as :class:`RankLaunch`, each with its whole ``env`` (a new dict each)."""
+        common = self.common
+        return [RankLaunch(g, local, slot, argv, {**common, **own}) for g, local, slot, argv, own in self.ranks]
 
 
 @dataclass(frozen=True)

@@ -76,8 +76,6 @@ Not expressed (no ``LaunchContext`` field): ``--bind_cores_to_rank`` / ``--bind_
 
 from __future__ import annotations
 
-import base64
-import json
 import os
 import posixpath
 import re
@@ -85,7 +83,8 @@ from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
 from ..errors import LaunchError
-from .base import LaunchContext, RankLaunch, RealCommand, check_context
+from .base import LaunchContext, NodeRanks, RankLaunch, RealCommand, check_context
+from .layout import encode_world_info, rank_layout
 
 __all__ = [
     "DeepSpeedLauncher",
@@ -135,30 +134,6 @@ _SAFE_UNQUOTED = set("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz012345
 # pdsh rewrites %<letter> sequences in the remote command (DeepSpeed relies on %n -> node
 # rank); orch refuses every "%<letter>" / "%%" rather than guess which ones pdsh touches.
 _PDSH_PERCENT = re.compile(r"%[A-Za-z%]")
-
-
-def encode_world_info(world: Sequence[tuple[str, Sequence[int]]]) -> str:
-    """Return ``--world_info``: urlsafe base64 of ``json.dumps({host: [slot, ...]})``.
-
-    Same as runner.py ``encode_world_info`` (``json.dumps`` of the ordered filtered pool with
-    default separators, so ``{"a": [0, 1], "b": [0]}``).
-    """
-    info = {host: list(slots) for host, slots in world}
-    return base64.urlsafe_b64encode(json.dumps(info).encode("utf-8")).decode("utf-8")
-
-
-def rank_layout(world: Sequence[tuple[str, Sequence[int]]], node_rank: int,
-                base: int | None = None) -> list[tuple[int, int, int]]:
-    """Return ``[(global_rank, local_rank, slot), ...]`` of node ``node_rank``, in spawn order.
-
-    Same as launch.py ``main()``: global ranks are numbered across nodes in order, and
-    ``local_rank = global_rank % len(slots)`` (a rotation of ``0..n-1`` when an earlier node has
-    a different slot count); ``slot`` is ``slots[local_rank]``, the device a script that uses
-    ``cuda:LOCAL_RANK`` under ``CUDA_VISIBLE_DEVICES=<slots>`` ends up on. ``base``: the node's first rank, if known.
-    """
-    base = sum(len(slots) for _, slots in world[:node_rank]) if base is None else base
-    slots = tuple(world[node_rank][1])
-    return [(base + i, (base + i) % len(slots), slots[(base + i) % len(slots)]) for i in range(len(slots))]
 
 
 # --------------------------------------------------------------------------- pdsh helpers
@@ -421,10 +396,18 @@ class DeepSpeedLauncher:
     # ---------------------------------------------------------------- Launcher
 
     def ranks(self, ctx: LaunchContext, node_rank: int) -> list[RankLaunch]:
-        """Return node ``node_rank``'s ranks, each with launch.py's argv and variables.
+        """Return node ``node_rank``'s ranks, each with launch.py's argv and variables: :meth:`node_ranks`, each
+        rank's ``env`` made whole (``{**common, **own}``).
 
-        ``env`` = ``ctx.exports`` then launch.py's variables (see the module docstring), which
-        win over an export of the same name, as launch.py overwrites its copy of its environment.
+        Raises:
+            LaunchError: as :meth:`node_ranks`.
+        """
+        return self.node_ranks(ctx, node_rank).launches()
+
+    def node_ranks(self, ctx: LaunchContext, node_rank: int) -> NodeRanks:
+        """Node ``node_rank``'s ranks, with launch.py's argv, and its variables as what every rank of the node
+        shares (``ctx.exports`` then launch.py's variables, which win over an export of the same name, as
+        launch.py overwrites its copy of its environment) and each rank's own ``RANK`` and ``LOCAL_RANK``.
 
         Raises:
             LaunchError: ``node_rank`` out of range, an empty pool or host, or ``no_python``
@@ -438,22 +421,15 @@ class DeepSpeedLauncher:
         common = dict(ctx.exports)
         for var in self.visible_devices_envs:
             common[var] = ",".join(map(str, slots))
-        common.update({
-            "MASTER_ADDR": ctx.master_addr,
-            "MASTER_PORT": str(ctx.master_port),
-            "WORLD_SIZE": str(ctx.world_size),
-            "CROSS_RANK": str(node_rank),
-            "CROSS_SIZE": str(len(ctx.world)),
-            "LOCAL_SIZE": str(len(slots)),
-        })
-        out, argvs = [], ctx.once("launch.py argvs", dict)  # local rank -> argv: made once per pool, not per rank
+        common.update({"MASTER_ADDR": ctx.master_addr, "MASTER_PORT": str(ctx.master_port),
+                       "WORLD_SIZE": str(ctx.world_size), "CROSS_RANK": str(node_rank),
+                       "CROSS_SIZE": str(len(ctx.world)), "LOCAL_SIZE": str(len(slots))})
+        argvs = ctx.once("launch.py argvs", dict)  # local rank -> argv: made once per pool, not per rank
+        out = []
         for global_rank, local_rank, slot in rank_layout(ctx.world, node_rank, ctx.rank_offsets[node_rank]):
-            env = dict(common)
-            env["RANK"] = str(global_rank)
-            env["LOCAL_RANK"] = str(local_rank)
             argv = argvs.get(local_rank) or argvs.setdefault(local_rank, tuple(self._rank_argv(ctx, local_rank)))
-            out.append(RankLaunch(global_rank=global_rank, local_rank=local_rank, slot=slot, argv=argv, env=env))
-        return out
+            out.append((global_rank, local_rank, slot, argv, {"RANK": str(global_rank), "LOCAL_RANK": str(local_rank)}))
+        return NodeRanks(common, ("RANK", "LOCAL_RANK"), out)
 
     @staticmethod
     def _rank_argv(ctx: LaunchContext, local_rank: int) -> list[str]:
