@@ -89,3 +89,17 @@ def test_planning_leaves_the_collector_as_it_was(tmp_path, enabled: bool) -> Non
         assert gc.isenabled() is enabled
     finally:
         (gc.enable if was else gc.disable)()
+
+
+def test_network_preview_of_other_hosts_names_the_jobs_interface_or_the_route(tmp_path) -> None:
+    from orchestrator.supervision.prepare import network_preview
+    spec, pool, inputs = _setup(tmp_path, "pdsh", {"NCCL_SOCKET_IFNAME": "eth1", "GLOO_SOCKET_IFNAME": ""})
+    plan = make_plan(spec, pool, dataclasses.replace(inputs, accelerate_env_defaults={"GLOO_SOCKET_IFNAME": "ib0"}))
+    assert network_preview(plan) == {n: "NCCL_SOCKET_IFNAME=eth1 (the job's environment)" for n in range(3)}
+    spec, pool, inputs = _setup(tmp_path, "pdsh", {"NCCL_DEBUG": "INFO"})
+    plan = make_plan(spec, pool, dataclasses.replace(inputs, accelerate_env_defaults={"GLOO_SOCKET_IFNAME": "ib0"}))
+    assert network_preview(plan) == {n: "GLOO_SOCKET_IFNAME=ib0 (the job's environment)" for n in range(3)}
+    spec, pool, inputs = _setup(tmp_path, "pdsh", {})
+    plan = make_plan(spec, pool, inputs)
+    assert network_preview(plan) == {n: f"chosen on the node: the one that routes to {plan.master_addr}"
+                                     for n in range(3)}

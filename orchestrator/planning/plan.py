@@ -147,6 +147,12 @@ class RankPlan:
                 "argv": self.argv if shared else list(self.argv), "env": env}
 
 
+def _shared_ranks(ranks: tuple[RankPlan, ...]) -> list[dict]:
+    """``[r.to_dict(shared=True) for r in ranks]``, made in one comprehension (no method call a rank)."""
+    return [{"global_rank": r.global_rank, "local_rank": r.local_rank, "slot": r.slot, "argv": r.argv,
+             "env": r.env if type(r.env) is dict else dict(r.env)} for r in ranks]
+
+
 @dataclass(frozen=True)
 class NodePlan:
     """One node: its host, node rank, ranks, and what its agent must host.
@@ -209,7 +215,7 @@ class NodePlan:
         """JSON-able form (what the agent receives in its ``start`` message); ``shared``: each rank's argv and
         environment are the plan's own, not copies (:meth:`RankPlan.to_dict`)."""
         return {"node_rank": self.node_rank, "host": self.host, "slots": list(self.slots),
-                "ranks": [r.to_dict(shared) for r in self.ranks] if shared else [r.to_dict() for r in self.ranks],
+                "ranks": _shared_ranks(self.ranks) if shared else [r.to_dict() for r in self.ranks],
                 "workdir": self.workdir,
                 "log_dir": self.log_dir, "agent_store": dict(self.agent_store) if self.agent_store else None,
                 "env_defaults": dict(self.env_defaults), "metrics_port": self.metrics_port,
