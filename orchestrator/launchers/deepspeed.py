@@ -418,17 +418,21 @@ class DeepSpeedLauncher:
         if not 0 <= node_rank < len(ctx.world):
             raise LaunchError(f"{self.name}: node rank {node_rank} is not in 0..{len(ctx.world) - 1}")
         slots = ctx.world[node_rank][1]
+        # made once per pool: WORLD_SIZE, CROSS_SIZE, the rank offsets, local rank -> (argv, LOCAL_RANK)
+        size, nodes, offsets, per_local = ctx.once("launch.py node parts", lambda: (
+            str(ctx.world_size), str(len(ctx.world)), ctx.rank_offsets, {}))
+        for local in range(len(slots)):  # a node's local ranks are 0..len(slots)-1, in some order
+            if local not in per_local:
+                per_local[local] = (tuple(self._rank_argv(ctx, local)), str(local))
         common = dict(ctx.exports)
+        devices = ",".join(map(str, slots))
         for var in self.visible_devices_envs:
-            common[var] = ",".join(map(str, slots))
-        common.update({"MASTER_ADDR": ctx.master_addr, "MASTER_PORT": str(ctx.master_port),
-                       "WORLD_SIZE": str(ctx.world_size), "CROSS_RANK": str(node_rank),
-                       "CROSS_SIZE": str(len(ctx.world)), "LOCAL_SIZE": str(len(slots))})
-        argvs = ctx.once("launch.py argvs", dict)  # local rank -> argv: made once per pool, not per rank
-        out = []
-        for global_rank, local_rank, slot in rank_layout(ctx.world, node_rank, ctx.rank_offsets[node_rank]):
-            argv = argvs.get(local_rank) or argvs.setdefault(local_rank, tuple(self._rank_argv(ctx, local_rank)))
-            out.append((global_rank, local_rank, slot, argv, {"RANK": str(global_rank), "LOCAL_RANK": str(local_rank)}))
+            common[var] = devices
+        common.update({"MASTER_ADDR": ctx.master_addr, "MASTER_PORT": str(ctx.master_port), "WORLD_SIZE": size,
+                       "CROSS_RANK": str(node_rank), "CROSS_SIZE": nodes, "LOCAL_SIZE": str(len(slots))})
+        out = [(g, local, slot, argv, {"RANK": str(g), "LOCAL_RANK": name})
+               for g, local, slot in rank_layout(ctx.world, node_rank, offsets[node_rank])
+               for argv, name in (per_local[local],)]
         return NodeRanks(common, ("RANK", "LOCAL_RANK"), out)
 
     @staticmethod
