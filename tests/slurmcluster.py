@@ -164,11 +164,27 @@ class SlurmCluster:
             os.killpg(p.pid, signal.SIGKILL)
             p.wait(10)
 
+    def controller_states(self) -> dict[str, str]:
+        """Each node's ``State=`` as ``scontrol show node`` gives it (``IDLE``, ``MIXED+DRAIN``, ...).
+
+        wait_idle asks this, not sinfo: sinfo's allocated-CPU view, once a node-info request came in while an
+        allocation's steps were ending, was seen to say "mixed" for minutes after scontrol showed the nodes idle
+        with no CPU allocated and no job left (Slurm 22.05)."""
+        r = self.run(["scontrol", "show", "node", "--oneliner"], check=False, timeout=15)
+        states = {}
+        for line in r.stdout.splitlines():
+            fields = dict(f.split("=", 1) for f in line.split() if "=" in f)
+            states[fields.get("NodeName", "?")] = fields.get("State", "UNKNOWN")
+        return states
+
     def wait_idle(self, timeout: float = 60.0) -> None:
+        """Until every node is idle, with no job on it and not drained or down (``NOT_RESPONDING`` is let be: a
+        node just resumed shows it until its slurmd registers again)."""
         deadline = time.monotonic() + timeout
         while True:
-            states = {n: self.node_state(n) for n in self.names}
-            if all(s.startswith("idle") for s in states.values()):
+            states = self.controller_states()
+            if all((states.get(n) or "").split("+")[0] == "IDLE" and
+                   not {"DRAIN", "COMPLETING", "FAIL"} & set(states[n].split("+")[1:]) for n in self.names):
                 return
             for key, p in self.procs.items():
                 if p.poll() is not None:

@@ -100,6 +100,27 @@ def test_node_set_down_is_a_node_loss_and_resumes_on_the_spare(slurm_cluster, or
     assert int(done["attempts"][1]["resume_tag"].removeprefix("step_")) >= interval
 
 
+def test_unavailable_names_the_nodes_sinfo_shows_out_of_service(slurm_cluster) -> None:
+    """``SlurmProvisioner.unavailable`` against the real sinfo: a drained and a down node are named, in the order
+    asked, the idle ones not; a host Slurm does not know is not named either."""
+    from orchestrator.provisioners.slurm import SlurmProvisioner
+
+    names = slurm_cluster.names
+    prov = SlurmProvisioner(env=slurm_cluster.env)
+    slurm_cluster.wait_idle(60)
+    assert prov.unavailable(names) == []
+    try:
+        slurm_cluster.set_state(names[2], "DRAIN", "orch test")
+        slurm_cluster.set_state(names[0], "DOWN", "orch test")
+        assert prov.unavailable([names[3], names[2], names[1], names[0]]) == [names[2], names[0]]
+        assert prov.unavailable([names[1], "no-such-node"]) == []
+    finally:
+        for name in (names[0], names[2]):
+            slurm_cluster.set_state(name, "RESUME")
+        slurm_cluster.wait_idle(60)
+    assert prov.unavailable(names) == [], slurm_cluster.run(["sinfo", "-h", "-N", "-o", "%N %t"]).stdout
+
+
 def test_plan_outside_an_allocation_says_how_to_see_one(orch, write_spec, tmp_path) -> None:
     spec = _spec(write_spec, tmp_path, launcher="pdsh", steps=1, name="no-alloc")
     env = {k: v for k, v in orch.env().items() if not k.startswith("SLURM_")}

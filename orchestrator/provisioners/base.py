@@ -5,7 +5,7 @@ from __future__ import annotations
 import collections
 import queue
 from abc import ABC, abstractmethod
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from typing import Any
 
 from ..errors import ProvisionError
@@ -110,6 +110,12 @@ class Provisioner(ABC):
         interpreter): a warm agent kept from another job serves this one's node on ``host`` only when the keys are
         equal (an ``orch server --keep-warm``: ``orchestrator.supervision.warm``). None: never shared."""
         return None
+
+    def unavailable(self, hosts: "Sequence[str]") -> list[str]:
+        """Those of ``hosts`` the scheduler has taken out of service (down, drained, failing), in the order given;
+        [] when this provisioner has no scheduler to ask, or it did not answer. Used to name the node that was
+        lost when the scheduler ends every step of an allocation at once."""
+        return []
 
     @abstractmethod
     def start_agent(self, node: NodePlan, plan: JobPlan,

@@ -26,7 +26,7 @@ started from here as above, and the allocation is cancelled when the attempt end
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 
 import collections
 import os
@@ -207,6 +207,29 @@ class SlurmProvisioner(Provisioner):
             raise ProvisionError(f"Cannot start the agent's srun step on {node.host} (node {node.node_rank}): "
                                  f"{err.strerror or err}.", reason=f"cannot run srun: {err.strerror or err}") from err
         return _StepAgent(node, proc, events, log_path)
+
+    #: ``scontrol show node``'s state words of a node out of service (its base state, or one of its ``+`` flags).
+    OUT_OF_SERVICE = frozenset({"DOWN", "DRAIN", "FAIL", "FUTURE"})
+
+    def unavailable(self, hosts: Sequence[str]) -> list[str]:
+        """Those of ``hosts`` that Slurm has down, drained, draining or failing, in the order given: when Slurm
+        takes one node away it ends the whole allocation, so every agent's step gets SIGTERM, and this names the
+        node that caused it. [] when slurmctld does not answer (the first step to report is then named).
+
+        ``scontrol show node``, not ``sinfo``: sinfo's allocated-CPU view, asked while an allocation's steps
+        end, was seen to stay "mixed" for minutes after the allocation was gone (Slurm 22.05)."""
+        if not hosts:
+            return []
+        try:
+            r = slurm_command(["scontrol", "show", "node", "--oneliner", ",".join(hosts)], self.env)
+        except ProvisionError:
+            return []
+        out = set()
+        for line in r.stdout.splitlines():
+            fields = dict(f.split("=", 1) for f in line.split() if "=" in f)
+            if self.OUT_OF_SERVICE & set(fields.get("State", "").split("+")):
+                out.add(fields.get("NodeName"))
+        return [h for h in hosts if h in out]
 
     @staticmethod
     def step_name(plan: JobPlan, node_rank: int) -> str:

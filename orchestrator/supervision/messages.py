@@ -138,9 +138,7 @@ class AttemptMessages:
 
     def _on_stopping(self, node_rank: int, msg: dict) -> None:
         if msg.get("taken_by") == "slurm":  # its srun step got SIGTERM: Slurm takes the node away
-            self._fail({"kind": "node_lost", "node": self._host(node_rank), "node_rank": node_rank,
-                        "message": f"node lost: Slurm took {self._host(node_rank)} (node {node_rank}) away: its "
-                                   f"agent's step got SIGTERM (preemption, scancel, or the node failing)"})
+            self._fail(self._slurm_lost(node_rank))
             return
         if msg.get("lease_expired"):  # the controller was silent: its own stall, not the job's fault
             self._fail({"kind": "controller_stalled", "node": self._host(node_rank), "node_rank": node_rank,
@@ -151,6 +149,22 @@ class AttemptMessages:
         self._fail({"kind": "agent_stopped", "node": self._host(node_rank), "node_rank": node_rank,
                     "message": f"the agent on {self._host(node_rank)} (node {node_rank}) stopped its ranks: "
                                f"{msg.get('reason')}"})
+
+    def _slurm_lost(self, node_rank: int) -> dict:
+        """The cause when node ``node_rank``'s agent step got SIGTERM from Slurm. Slurm ends every step of the
+        allocation when it takes one node away, so the first step to report is not always the lost node's: the node
+        sinfo shows out of service (down, drained, failing) is named when there is one, else the reporting node."""
+        ranks = {n.host: n.node_rank for n in self.plan.nodes}
+        down = self.provisioner.unavailable(list(ranks))
+        if not down:
+            return {"kind": "node_lost", "node": self._host(node_rank), "node_rank": node_rank,
+                    "message": f"node lost: Slurm took {self._host(node_rank)} (node {node_rank}) away: its "
+                               f"agent's step got SIGTERM (preemption, scancel, or the node failing)"}
+        lost = ranks[down[0]]
+        also = f" (also out of service: {', '.join(down[1:])})" if len(down) > 1 else ""
+        return {"kind": "node_lost", "node": down[0], "node_rank": lost, **({"nodes": down} if len(down) > 1 else {}),
+                "message": f"node lost: Slurm took {down[0]} (node {lost}) out of service{also} and ended the "
+                           f"allocation's steps (the agent on {self._host(node_rank)} got SIGTERM)"}
 
     def _on_spawn_failed(self, node_rank: int, msg: dict) -> None:
         self._fail({"kind": "spawn_failed", "node": self._host(node_rank), "node_rank": node_rank,

@@ -79,8 +79,8 @@ class Restarts:
                         "message": f"no automatic restart: the job was restarted {done} time(s), its max_restarts"})
                     return False
                 delay = policy.backoff(done)
-            exclude = [cause["node"]] if policy.exclude_failed_nodes and cause.get("kind") == "node_lost" \
-                and cause.get("node") else []
+            exclude = (cause.get("nodes") or [cause["node"]]) if policy.exclude_failed_nodes \
+                and cause.get("kind") == "node_lost" and cause.get("node") else []
             self.store.add_event(job.id, job.attempt, "restart_scheduled", {
                 "restart": len(scheduled) + 1, "max_restarts": policy.max_restarts, "in_seconds": delay,
                 "exclude_hosts": exclude, "cause_kind": cause.get("kind"),
