@@ -10,6 +10,8 @@ import dataclasses
 import json
 import types
 
+import pytest
+
 from orchestrator.face.cli.planjson import dumps_plan
 from orchestrator.planning import PlanInputs, make_plan, resolve_pool
 from orchestrator.spec import spec_from_dict
@@ -101,3 +103,21 @@ def test_secrets_are_found_in_every_kind_of_container() -> None:
     assert secret_values({"G_TOKEN": "", "lower_token": "v8", "H_TOKEN": 5}) == set()  # empty, not a name, not text
     assert secret_values(Holder({}, {"I_TOKEN": "/run/secrets/i"})) == set()
     assert secret_values({"env_from_file": {"J_TOKEN": "/run/secrets/j"}}) == set()
+
+
+def test_columns_of_equal_values_written_differently_are_written_as_json_dumps_writes_them(tmp_path) -> None:
+    """The table writer (planjson's docstring) writes a column once only where its values are written alike:
+    1 == 1.0 == True and 0.0 == -0.0, but json writes each its own way."""
+    whole = _plan(tmp_path, 20, env={"PCT": "100% %s %%"}).to_dict(shared=True)
+    nodes = whole["nodes"]
+    odd = [1, 1.0, True, 0.0, -0.0, float("nan"), float("inf"), -float("inf"), None, "1", (1, "a"), [], {}, 2 ** 70]
+    for i, node in enumerate(nodes):
+        node["odd"] = odd[i % len(odd)]
+        node["same"] = {"a": [1, 2.5, "%"], "b": ()}
+        node["ranks"][i % 8]["env"]["RANK"] = int(node["ranks"][i % 8]["env"]["RANK"])
+    nodes[3]["ranks"][2]["argv"] = ("python", 1, None, False)
+    nodes[4]["ranks"] = nodes[4]["ranks"][:3]
+    assert dumps_plan(whole) == json.dumps(whole, default=str)
+    nodes[5]["loop"] = whole  # a circular reference is refused as json.dumps refuses it
+    with pytest.raises(ValueError, match="[Cc]ircular"):
+        dumps_plan(whole)

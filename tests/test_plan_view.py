@@ -4,6 +4,7 @@ the whole plan with ``--output json`` (orchestrator/face/cli/planview.py)."""
 from __future__ import annotations
 
 import re
+import subprocess
 
 from conftest import SCRIPTS
 
@@ -58,3 +59,17 @@ def test_a_plan_of_16_nodes_is_shown_whole(orch, write_spec, hostfile) -> None:
     assert "Summary:" not in out and "Environment of every rank" in out and "not shown" not in out
     ranks = out.split("\nRanks", 1)[1].split("devices:", 1)[0]
     assert {int(m[1]) for m in re.finditer(r"^(\d+)\s+n\d+ \(\d+\)", ranks, re.M)} == set(range(32))
+
+
+def test_json_into_a_pipe_closed_early_stops_quietly(orch, write_spec, hostfile) -> None:
+    """``orch plan -o json big.yaml | head -c 100``: the reader has its 100 bytes; orch stops without a
+    traceback or a word, with the status of a command killed by SIGPIPE (141, as `cat` into `head`)."""
+    spec = str(_spec(write_spec, hostfile, 200))  # ~0.8 MB of JSON: more than a pipe holds, so a write fails
+    with subprocess.Popen(orch.cmd("plan", "--output", "json", spec), env=orch.env(), stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE) as proc:
+        head = proc.stdout.read(100)
+        proc.stdout.close()
+        err = proc.stderr.read().decode()
+        code = proc.wait(timeout=600)
+    assert head.startswith(b'{"job_id": ') and len(head) == 100
+    assert code == 141 and err == "", err

@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import gc
 import json
+import os
 import shlex
 import sys
 import uuid
@@ -55,10 +56,8 @@ def _plan(args: argparse.Namespace) -> int:
         whole = {**plan.to_dict(shared=True), "network": {str(n): v for n, v in interfaces.items()}}
         if len(plan.nodes) > SUMMARY_ABOVE_NODES:  # on one line (indent=2 took 2 s of 4,096 x 8): planjson's docstring
             from .planjson import iterencode_plan
-            _write_joined(iterencode_plan(whole), sys.stdout.write)
-            sys.stdout.write("\n")
-        else:
-            print_json(whole)
+            return _to_stdout(iterencode_plan(whole))
+        print_json(whole)
         return 0
     c = console
     summary = len(plan.nodes) > SUMMARY_ABOVE_NODES and not getattr(args, "all", False)  # planview's docstring
@@ -98,6 +97,26 @@ def _plan(args: argparse.Namespace) -> int:
                 soft_wrap=True)
     for w in plan.warnings:
         err_console.print(Text(f"warning: {w}", style="yellow"), soft_wrap=True)
+    return 0
+
+
+#: the exit status of a command whose reader went away (a shell's for one killed by SIGPIPE, as `cat` is)
+EXIT_READER_GONE = 128 + 13
+
+
+def _to_stdout(pieces: Iterable[str]) -> int:
+    """Write ``pieces`` and a newline to standard output; 0, or :data:`EXIT_READER_GONE` without a word
+    when the reader closed the pipe (``orch plan -o json big.yaml | head -c 100``): the rest is not
+    written, and standard output points at /dev/null so the interpreter's last flush does not fail."""
+    try:
+        _write_joined(pieces, sys.stdout.write)
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return EXIT_READER_GONE
     return 0
 
 
