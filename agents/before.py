@@ -21,7 +21,8 @@ __all__ = ["BeforeStart", "stay_warm"]
 
 class BeforeStart:
     """The agent between ``hello`` and ``start``: it answers the controller's ``preflight``
-    requests (:mod:`agents.preflight`, on a thread, so a ``stop`` is obeyed at once), sends
+    requests (:mod:`agents.preflight`, on a thread, so a ``stop`` is obeyed at once) and ``orch doctor``'s
+    ``doctor`` requests (:mod:`agents.doctor`), sends
     heartbeats from the first request on, and gives up when the controller falls silent for
     the lease the request named (before any request: after ``timeout`` seconds).
 
@@ -41,6 +42,7 @@ class BeforeStart:
         self.inbox = inbox
         self.base_env = base_env
         self.preflight: Any = None
+        self.doctor: Any = None  # agents.doctor.NodeDoctor, once orch doctor asked
         self._thread: threading.Thread | None = None
         self._beating = threading.Event()
         self._done = threading.Event()
@@ -72,19 +74,39 @@ class BeforeStart:
                 continue
             if kind == "preflight":
                 self._preflight(msg)
+            elif kind == "doctor":
+                self._doctor(msg)
             elif kind != "ping" and not self.warm:
                 print(f"agent: expected a start message, got {kind!r}; exiting", file=sys.stderr)
                 return None
         print(f"agent: no start message within {timeout:.0f} s; exiting", file=sys.stderr)
         return None
 
-    def _preflight(self, msg: dict) -> None:
-        from .preflight import NodePreflight, run_in_thread
+    def _begin_heartbeats(self, msg: dict) -> None:
+        """Heartbeats from the first request on; the controller's silence past ``lease_s`` ends the wait."""
         self._heartbeat_s = float(msg.get("heartbeat_s") or self._heartbeat_s)
         self._lease_s = float(msg["lease_s"]) if msg.get("lease_s") else self._lease_s
         if not self._beating.is_set():
             self._beating.set()
             threading.Thread(target=self._heartbeats, name="preflight-heartbeats", daemon=True).start()
+
+    def _doctor(self, msg: dict) -> None:
+        """``orch doctor``'s requests (:mod:`agents.doctor`): ``clock`` and ``listen`` answered at once, the
+        others on a thread each (the agent never starts ranks for it: the controller ends the link)."""
+        from .doctor import NodeDoctor, run_in_thread
+        self._begin_heartbeats(msg)
+        if self.doctor is None:
+            node = msg.get("node") or {}
+            ranks = node.get("ranks") or [{}]
+            self.doctor = NodeDoctor(rank_env(self.base_env, node, ranks[0]) if node else self.base_env)
+        if msg.get("phase") in ("clock", "listen", "unlisten"):
+            self.writer.send(self.doctor.run(msg))
+        else:
+            run_in_thread(self.doctor, msg, self.writer.send)
+
+    def _preflight(self, msg: dict) -> None:
+        from .preflight import NodePreflight, run_in_thread
+        self._begin_heartbeats(msg)
         if self.preflight is None:
             node = msg.get("node") or {}
             ranks = node.get("ranks") or [{}]
@@ -101,8 +123,11 @@ class BeforeStart:
                 return
 
     def close(self) -> None:
-        """Stop the heartbeats, call off a running check, remove this node's preflight token."""
+        """Stop the heartbeats, call off a running check, remove this node's preflight token, close the
+        doctor's listener."""
         self._done.set()
+        if self.doctor is not None:
+            self.doctor.close()
         if self.preflight is not None:
             self.preflight.abort()
             if self._thread is not None:

@@ -10,6 +10,9 @@ Controller -> agent:
         agent exits if the controller is silent for ``lease_s``.
     ``preflight`` {phase: "list", shared: {dir, nonce}, expect: [node ranks]}: say which
         nodes' shared-storage tokens this node sees.
+    ``doctor`` {phase: "report" | "listen" | "connect" | "clock", node, python, workdir, checkpoint_dir,
+        addr, port, timeout_s, heartbeat_s, lease_s}: ``orch doctor``'s questions (``agents.doctor``); no
+        ``start`` follows, the controller ends the link.
     ``start`` {node, attempt_id, grace, heartbeat_s, lease_s, reattach_s}: the node's plan; start the
         ranks (sent once every node passed its preflight); ``reattach_s`` > 0: when the link closes, keep
         the ranks running that long for a new controller (``agents.attach``).
@@ -22,6 +25,7 @@ Agent -> controller:
     ``hello`` {host, pid, python}: the agent is up.
     ``preflight_result`` {phase: "check", checks: [{name, status, detail, seconds}], token, seconds}
         or {phase: "list", seen: [node ranks], problems, seconds}: a preflight phase's answer.
+    ``doctor_result`` {phase, report | status, detail | at, seconds}: the answer to a ``doctor`` request.
     ``started`` {ranks: [{global_rank, pid}]}: every rank of the node was started.
     ``attached`` {host, pid, ranks, exits: {rank: returncode}, metrics_port, detached_s}: the answer to
         ``attach``; what the agent kept while no controller was linked follows.

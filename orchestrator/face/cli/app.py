@@ -48,6 +48,7 @@ cmd_cancel, cmd_resume = _lazy("jobs", "cmd_cancel"), _lazy("jobs", "cmd_resume"
 cmd_list, cmd_logs = _lazy("show", "cmd_list"), _lazy("show", "cmd_logs")
 cmd_stacks, cmd_status = _lazy("show", "cmd_stacks"), _lazy("show", "cmd_status")
 cmd_export, cmd_gc, cmd_server = _lazy("export", "cmd_export"), _lazy("gc", "cmd_gc"), _lazy("server", "cmd_server")
+cmd_doctor = _lazy("doctor", "cmd_doctor")
 
 
 def _submit_and_list(add: Callable[..., argparse.ArgumentParser]) -> None:
@@ -110,6 +111,15 @@ def _plan_options(sp: argparse.ArgumentParser) -> None:
                     "(default: a summary: counts, the first and last nodes and ranks, rank 0's environment in full)")
 
 
+def _doctor_command(add: Callable[..., argparse.ArgumentParser]) -> None:
+    """``orch doctor`` (face/cli/doctor.py)."""
+    from .doctor import doctor_options
+    doctor_options(add("doctor", cmd_doctor, "Check every node of a job (or a hostfile) before running it: Python, "
+                       "torch, CUDA, NCCL and DeepSpeed versions and that they agree, GPUs, free disk and memory, "
+                       "clock skew, the master port reachable from every node, and the preflight checks; in "
+                       "parallel, through the job's provisioner. Exit 0 only if every check passed."))
+
+
 def build_parser() -> argparse.ArgumentParser:
     common = Parser(add_help=False)
     common_options(common, top=False)
@@ -130,6 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp = add("plan", cmd_plan, "Show where every rank of a job would run, with its environment and command "
              "line, and the command the real launcher would run. Starts nothing.")
     _plan_options(sp)
+    _doctor_command(add)
     sp = add("run", cmd_run, "Run a job in the foreground with live progress; exit 0 only if it succeeds. "
              "Ctrl-C cancels it.")
     job_arguments(sp)

@@ -1,0 +1,262 @@
+"""``orch doctor``: every node's environment, clock and master port checked through the agents the job's
+provisioner starts, judged across nodes, each failure naming the node and the check.
+
+Local agents (two "nodes" on this machine) for the passing run, the JSON shape and bad input; real sshd
+hosts (tests/nethosts.py) for 3 nodes: passing, then one host whose Python lacks DeepSpeed (a
+``sitecustomize`` on that host's ``PYTHONPATH``, under the ``nossh`` launcher, that makes ``import deepspeed``
+fail as if it were not installed), one whose clock is skewed (the agent's test seam
+``ORCH_DOCTOR_CLOCK_OFFSET_S``), both set for that host alone by its sshd's ``SetEnv``, and one that cannot
+reach the master port (a policy-routing rule in its network namespace that prohibits TCP to that port).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import psutil
+
+from conftest import SCRIPTS, wait_for
+from orchestrator.supervision.doctor_verdict import DOCTOR_CHECKS, Limits, NodeAnswers, clock_offset, judge
+
+TWO_NODES = "node-0 slots=1\nnode-1 slots=1\n"
+NO_DEEPSPEED = '''import sys
+
+
+class _NoDeepSpeed:
+    """This Python lacks DeepSpeed: import deepspeed fails as for a package not installed."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name == "deepspeed" or name.startswith("deepspeed."):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+
+sys.meta_path.insert(0, _NoDeepSpeed())
+'''
+
+
+def _report(**over: Any) -> dict:
+    r = {"errors": [], "python": "3.11.7", "torch": "2.13.0", "cuda": None, "deepspeed": "0.19.8",
+         "accelerator": "cpu", "gpus": 0, "memory": 8 << 30, "clock": 0.0,
+         "disk": {"workdir": {"path": "/w", "free": 8 << 30}, "checkpoint_dir": {"path": "/c", "free": 8 << 30}}}
+    r.update(over)
+    return r
+
+
+def _answers(n: int, **per_node: dict) -> list[NodeAnswers]:
+    out = []
+    for i in range(n):
+        a = NodeAnswers(i, f"h{i}", report=_report(), clock=(100.0, 100.2, 100.1),
+                        port={"status": "passed", "detail": "ok"},
+                        allreduce={"status": "passed", "result": {"busbw": 1e9 - i, "bytes": 4 << 20, "seconds": 0.01,
+                                                                  "iters": 5, "correct": True}})
+        for key, value in per_node.get(f"h{i}", {}).items():
+            setattr(a, key, value)
+        out.append(a)
+    return out
+
+
+def _doctor_agents() -> list[int]:
+    """Pids of live processes marked as an ``orch doctor`` agent (``ORCH_AGENT_ATTEMPT_ID=doctor-...``)."""
+    found = []
+    for proc in psutil.process_iter(["pid"]):
+        try:
+            if proc.environ().get("ORCH_AGENT_ATTEMPT_ID", "").startswith("doctor-") and \
+                    proc.status() != psutil.STATUS_ZOMBIE:
+                found.append(proc.pid)
+        except (psutil.Error, OSError):
+            continue
+    return found
+
+
+def assert_no_leftovers(timeout: float) -> None:
+    wait_for(lambda: not _doctor_agents(), timeout, "every doctor agent to be gone")
+
+
+def _failed(verdict: dict) -> set[tuple[str, str]]:
+    return {(f["node"], f["check"]) for f in verdict["failures"]}
+
+
+# --------------------------------------------------------------------------- the verdict (pure)
+
+def test_verdict_names_the_odd_node_out_of_the_largest_group_of_versions() -> None:
+    answers = _answers(4, h2={"report": _report(deepspeed="0.14.0", torch="2.1.0")})
+    verdict = judge(answers, Limits())
+    assert _failed(verdict) == {("h2", "versions")}
+    (f,) = verdict["failures"]
+    assert f["message"] == "torch 2.1.0, deepspeed 0.14.0 where 3 of 4 nodes have torch 2.13.0, deepspeed 0.19.8"
+    assert f["text"].startswith("h2 (node 2) versions: ")
+    ok = next(c for c in verdict["nodes"][0]["checks"] if c["name"] == "versions")
+    assert ok["status"] == "passed" and "(as on 3 of 4 nodes)" in ok["detail"]
+    assert verdict["passed"] is False and verdict["checks"][0] == "agent"
+
+
+def test_verdict_names_the_slowest_all_reduce_and_a_failed_one() -> None:
+    verdict = judge(_answers(3), Limits())
+    details = [next(c for c in n["checks"] if c["name"] == "allreduce")["detail"] for n in verdict["nodes"]]
+    assert details[2] == "bus bandwidth 1000.0 MB/s (4 MiB, 10.0 ms each); the slowest of 3 nodes"
+    assert not details[0].endswith("nodes") and verdict["passed"] is True
+    failed = judge(_answers(2, h1={"allreduce": {"status": "failed", "detail": "the all-reduce failed: no result"}}),
+                   Limits())
+    assert _failed(failed) == {("h1", "allreduce")}
+
+
+def test_verdict_clock_skew_counts_the_round_trip() -> None:
+    assert clock_offset(100.0, 100.2, 105.1) == pytest.approx((5.0, 0.1))
+    # 2.5 s off but read over a 1.2 s round trip: within 2 s once the uncertainty (0.6 s) is counted
+    answers = _answers(2, h0={"clock": (100.0, 101.2, 103.1)}, h1={"clock": (100.0, 100.02, 97.0)})
+    verdict = judge(answers, Limits(max_skew_s=2.0))
+    assert _failed(verdict) == {("h1", "clock")}
+    assert verdict["failures"][0]["message"].startswith(
+        "3.010 s behind the controller's clock (±0.010 s): more than 2 s")
+
+
+def test_verdict_nodes_that_did_not_answer_are_named() -> None:
+    answers = _answers(3, h1={"down": "its agent could not be started: refused"},
+                       h2={"report": None, "clock": None, "port": None})
+    verdict = judge(answers, Limits(timeout_s=7, min_memory_bytes=16 << 30))
+    assert _failed(verdict) == {("h1", "agent"), ("h2", "environment"), ("h2", "clock"),
+                                ("h2", "master_port_reachable"), ("h0", "memory")}
+    h1 = verdict["nodes"][1]["checks"]
+    assert [c["name"] for c in h1] == list(DOCTOR_CHECKS) and all(c["status"] == "skipped" for c in h1[1:])
+    h2 = {c["name"]: c["detail"] for c in verdict["nodes"][2]["checks"]}
+    assert h2["environment"] == "no report within 7 s"
+    assert h2["master_port_reachable"] == "no answer to the master port check within 7 s"
+
+
+# --------------------------------------------------------------------------- local agents
+
+@pytest.mark.integration
+def test_local_two_nodes_pass_with_json(orch, hostfile) -> None:
+    r = orch("doctor", str(hostfile(TWO_NODES)), "--output", "json", timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = json.loads(r.stdout)
+    assert set(out) == {"nodes", "checks", "failures", "passed"}
+    assert out["passed"] is True and out["failures"] == []
+    assert [n["host"] for n in out["nodes"]] == ["node-0", "node-1"]
+    assert out["checks"] == list(DOCTOR_CHECKS)
+    for node in out["nodes"]:
+        by_name = {c["name"]: c for c in node["checks"]}
+        assert by_name["entrypoint"] == {"name": "entrypoint", "status": "skipped",
+                                         "detail": "a hostfile alone names no entrypoint"}
+        for name in ("agent", "python", "workdir", "checkpoint_dir", "network", "environment", "versions", "gpus",
+                     "disk", "memory", "clock", "master_port_reachable", "shared_checkpoint_dir", "allreduce"):
+            assert by_name[name]["status"] == "passed", (node["host"], by_name[name])
+        report = node["report"]
+        import deepspeed
+        import torch
+        assert (report["torch"], report["deepspeed"], report["accelerator"]) == \
+            (torch.__version__, deepspeed.__version__, "cpu")
+    port = [next(c for c in n["checks"] if c["name"] == "master_port_reachable")["detail"] for n in out["nodes"]]
+    assert port[0].startswith("listening on the master port ") and port[1].startswith("reached the master port ")
+    allreduce = [next(c for c in n["checks"] if c["name"] == "allreduce")["detail"] for n in out["nodes"]]
+    assert all(d.startswith("bus bandwidth ") and " MB/s (4 MiB, " in d for d in allreduce), allreduce
+    assert sum(d.endswith("; the slowest of 2 nodes") for d in allreduce) == 1
+    assert not list((orch.state_dir / "jobs").iterdir())  # nothing of the doctor's run is kept
+    assert_no_leftovers(timeout=5)
+
+
+@pytest.mark.integration
+def test_local_table_and_skewed_clocks(orch, hostfile, write_spec) -> None:
+    spec = write_spec(hostfile=str(hostfile(TWO_NODES)), entrypoint=str(SCRIPTS / "worker.py"),
+                      env={"ORCH_DOCTOR_CLOCK_OFFSET_S": "-10"})  # the seam, through the spec's env to every node
+    r = orch("doctor", str(spec), "--max-skew", "3", timeout=120)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "orch doctor: 2 node(s) through the local provisioner" in r.stdout
+    for host, rank in (("node-0", 0), ("node-1", 1)):
+        assert f"FAILED {host} (node {rank}) clock: " in r.stdout
+    assert "behind the controller's clock" in r.stdout and ": more than 3 s" in r.stdout
+    assert "2 check(s) failed" in r.stdout
+
+
+@pytest.mark.integration
+def test_bad_input_exits_2_with_a_clear_message(orch, hostfile, tmp_path) -> None:
+    missing = tmp_path / "no-such-hostfile"
+    r = orch("doctor", str(missing), timeout=60)
+    assert r.returncode == 2
+    assert r.stderr.strip() == f"error: orch doctor: {missing}: no such file (give a job spec or a hostfile)"
+    bad = hostfile("node-0 slotz=1\n")
+    r = orch("doctor", str(bad), timeout=60)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert f"Line 1 of hostfile {bad} is 'node-0 slotz=1'" in r.stderr
+    r = orch("doctor", str(hostfile(TWO_NODES)), "--include", "node-9", "-o", "json", timeout=60)
+    assert r.returncode == 2 and "node-9" in json.loads(r.stdout)["error"]
+
+
+# --------------------------------------------------------------------------- ssh hosts
+
+def _set_host_env(net: Any, i: int, env: dict[str, str]) -> None:
+    """Host i's sshd sets ``env`` in every session (``SetEnv``; empty: none), restarted to take it."""
+    h = net.host(i)
+    lines = [ln for ln in h.sshd_config.read_text().splitlines() if not ln.startswith("SetEnv ")]
+    if env:
+        lines.append("SetEnv " + " ".join(f"{k}={v}" for k, v in env.items()))
+    h.sshd_config.write_text("\n".join(lines) + "\n")
+    h.sshd.terminate()
+    h.sshd.wait(10)
+    net.start_sshd(i)
+
+
+def _ssh_spec(write_spec, hostfile, net: Any, tmp_path: Path, port: int) -> Path:
+    p = net.client_params()
+    return write_spec(
+        # nossh: the ranks keep their node's PYTHONPATH (pdsh would export the controller's to every node)
+        name="doc", hostfile=str(hostfile("".join(f"{n} slots=1\n" for n in net.names))), provisioner="ssh",
+        launcher="nossh",
+        entrypoint=str(SCRIPTS / "worker.py"), master_port=port, checkpoint_dir=str(tmp_path / "ckpt"),
+        deepspeed_config={"train_micro_batch_size_per_gpu": 1}, env={"DS_ACCELERATOR": "cpu"},
+        env_passthrough=["TORCH_EXTENSIONS_DIR"],
+        ssh={"user": p["user"], "identity_file": p["key_filename"], "known_hosts": p["known_hosts"]})
+
+
+def _checks(out: dict) -> dict[tuple[str, str], dict]:
+    return {(n["host"], c["name"]): c for n in out["nodes"] for c in n["checks"]}
+
+
+@pytest.mark.integration
+def test_ssh_three_hosts_pass_then_each_fault_is_named(orch, net3, write_spec, hostfile, tmp_path) -> None:
+    port = 29611
+    spec = _ssh_spec(write_spec, hostfile, net3, tmp_path, port)
+    r = orch("doctor", str(spec), "-o", "json", "--timeout", "40", timeout=120)
+    out = json.loads(r.stdout)
+    assert r.returncode == 0 and out["passed"] is True, out["failures"]
+    assert _checks(out)[(net3.names[0], "deepspeed")]["status"] == "passed"
+    assert sum(_checks(out)[(h, "allreduce")]["detail"].endswith("; the slowest of 3 nodes") for h in net3.names) == 1
+
+    site = tmp_path / "no-deepspeed"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(NO_DEEPSPEED)
+    h0, h1, h2 = net3.names
+    try:
+        _set_host_env(net3, 0, {"PYTHONPATH": str(site)})
+        _set_host_env(net3, 1, {"ORCH_DOCTOR_CLOCK_OFFSET_S": "30"})
+        subprocess.run(["ip", "-n", net3.host(2).ns, "rule", "add", "ipproto", "tcp", "dport", str(port),
+                        "prohibit"], check=True)
+        r = orch("doctor", str(spec), "-o", "json", "--timeout", "40", timeout=120)
+    finally:
+        subprocess.run(["ip", "-n", net3.host(2).ns, "rule", "del", "ipproto", "tcp", "dport", str(port),
+                        "prohibit"], check=False)
+        _set_host_env(net3, 0, {})
+        _set_host_env(net3, 1, {})
+    out = json.loads(r.stdout)
+    assert r.returncode == 1 and out["passed"] is False
+    assert {(f["node"], f["check"]) for f in out["failures"]} == {
+        (h0, "deepspeed"), (h0, "environment"), (h0, "versions"), (h1, "clock"), (h2, "master_port_reachable")}
+    checks = _checks(out)
+    assert "does not find deepspeed" in checks[(h0, "deepspeed")]["detail"]
+    assert "cannot import deepspeed: ModuleNotFoundError: No module named 'deepspeed'" in \
+        checks[(h0, "environment")]["detail"]
+    assert checks[(h0, "versions")]["detail"].startswith("deepspeed none where 2 of 3 nodes have deepspeed ")
+    assert "ahead of the controller's clock" in checks[(h1, "clock")]["detail"]
+    assert checks[(h2, "master_port_reachable")]["detail"].startswith(
+        f"cannot reach the master port {net3.addresses[0]}:{port}: ")
+    assert checks[(h0, "master_port_reachable")]["status"] == "passed"  # node 0 listened, lacking DeepSpeed or not
+    assert checks[(h1, "master_port_reachable")]["status"] == "passed"
+    assert checks[(h0, "allreduce")] == {"name": "allreduce", "status": "skipped",
+                                         "detail": f"not every node reached the master port ({h2})"}
+    assert_no_leftovers(timeout=10)
