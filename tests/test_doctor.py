@@ -260,3 +260,22 @@ def test_ssh_three_hosts_pass_then_each_fault_is_named(orch, net3, write_spec, h
     assert checks[(h0, "allreduce")] == {"name": "allreduce", "status": "skipped",
                                          "detail": f"not every node reached the master port ({h2})"}
     assert_no_leftovers(timeout=10)
+
+
+@pytest.mark.integration
+def test_ssh_host_that_cannot_be_reached_is_named_within_the_timeout(orch, net3, write_spec, hostfile,
+                                                                     tmp_path) -> None:
+    spec = _ssh_spec(write_spec, hostfile, net3, tmp_path, 29612)
+    h2 = net3.names[2]
+    net3.cut_link(2)
+    try:
+        r = orch("doctor", str(spec), "-o", "json", "--timeout", "12", timeout=120)
+    finally:
+        net3.reset()
+    out = json.loads(r.stdout)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert {(f["node"], f["check"]) for f in out["failures"]} == {(h2, "agent")}
+    agent = _checks(out)[(h2, "agent")]["detail"]
+    assert agent.startswith("its agent could not be started: ") and h2 in agent, agent
+    assert _checks(out)[(net3.names[0], "allreduce")]["detail"] == f"not every node reached the master port ({h2})"
+    assert_no_leftovers(timeout=10)

@@ -103,6 +103,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     spec, skip = load_target(args)
     state_dir = state_dir_of(args)
     job_id = f"doctor-{secrets.token_hex(4)}"
+    if spec.provisioner == "ssh" and spec.ssh.connect_timeout > args.timeout:  # every phase within --timeout
+        spec = spec.model_copy(update={"ssh": spec.ssh.model_copy(update={"connect_timeout": args.timeout})})
     provisioner = get_provisioner(spec.provisioner, spec)
     plan, lease = prepare_plan(spec, state_dir, job_id, provisioner=provisioner)
     table = args.output != "json"
