@@ -11,7 +11,7 @@ from .. import lazy_names
 #: Where each name lives; imported on first use (PEP 562), so a command that reads only a small part (the
 #: job list, a secret's redaction) does not load pydantic's models and Accelerate's rules (~0.4 s).
 _WHERE = {
-    "AccelerateSettings": "accelerate", "load_accelerate_config": "accelerate", "read_yaml": "files",
+    "AccelerateSettings": "accelerate_settings", "load_accelerate_config": "accelerate", "read_yaml": "files",
     "ResumeOptions": "resume", "JobDeepSpeed": "job_deepspeed", "job_deepspeed": "job_deepspeed",
     **dict.fromkeys(("KNOWN_LAUNCHERS", "PROVISIONERS", "JobSpec", "PreflightOptions", "RayOptions", "RestartPolicy",
                      "SlurmOptions", "SSHOptions", "env_pattern_problem", "load_deepspeed_config", "load_spec",
@@ -19,7 +19,8 @@ _WHERE = {
 }
 
 if TYPE_CHECKING:
-    from .accelerate import AccelerateSettings, load_accelerate_config
+    from .accelerate import load_accelerate_config
+    from .accelerate_settings import AccelerateSettings
     from .files import read_yaml
     from .job_deepspeed import JobDeepSpeed, job_deepspeed
     from .jobspec import (KNOWN_LAUNCHERS, PROVISIONERS, JobSpec, PreflightOptions, RayOptions, RestartPolicy,

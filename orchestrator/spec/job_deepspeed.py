@@ -7,14 +7,16 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from ..errors import ConfigError
-from .accelerate import AccelerateConfig, AccelerateSettings, load_accelerate_config
-from .dsconfig import (ACCELERATE_KEYS, HF_TRAINER_KEYS, HIDDEN_SIZE_KEYS, DeepSpeedSettings, ResolvedConfig,
-                       RunFacts, hidden_size_from_model_config, plugin_config, resolve)
 from .dssources import Filler, has_auto, who_fills
 from .files import read_deepspeed_config
+
+if TYPE_CHECKING:  # (imported where used: a job without a DeepSpeed or Accelerate config needs neither, ~25 ms)
+    from .accelerate import AccelerateConfig
+    from .accelerate_settings import AccelerateSettings
+    from .dsconfig import DeepSpeedSettings, ResolvedConfig, RunFacts
 
 __all__ = ["JobDeepSpeed", "job_deepspeed"]
 
@@ -86,12 +88,14 @@ def job_deepspeed(spec: Any, slots_per_node: list[int] | tuple[int, ...],
     user = read_deepspeed_config(spec.deepspeed_config)
     acc = None
     if spec.accelerate_config is not None:
+        from .accelerate import load_accelerate_config
         base = spec.workdir if isinstance(spec.accelerate_config, Mapping) else "."
         acc = load_accelerate_config(spec.accelerate_config, base,
                                      config_file=spec.deepspeed_config if isinstance(spec.deepspeed_config, str)
                                      else ("<inline>" if spec.deepspeed_config is not None else None))
     if acc is None and not user:
         return JobDeepSpeed({})
+    from .dsconfig import DeepSpeedSettings, RunFacts, hidden_size_from_model_config, plugin_config
     hidden, source = spec.hidden_size, "hidden_size"
     if hidden is None and spec.model_config_path:
         hidden, source = (hidden_size_from_model_config(spec.model_config_path),
@@ -144,6 +148,7 @@ def _resolve(config: Mapping[str, Any], settings: DeepSpeedSettings, run: RunFac
     """:func:`~.dsconfig.resolve` as ``filler`` says; an "auto" orch refuses gets a hint of
     ``deepspeed_config_filled_by``, and why orch was to fill it. Under the script, a micro batch or
     hidden size the spec gives for keys the script fills is reported unused."""
+    from .dsconfig import ACCELERATE_KEYS, HF_TRAINER_KEYS, HIDDEN_SIZE_KEYS, resolve
     if filler is None or filler.filled_by == "orch":
         try:
             return resolve(config, settings, run, **kw)

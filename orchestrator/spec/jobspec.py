@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from ..errors import OrchError, SpecError
 from ..launchers import get_launcher
-from .accelerate import AccelerateSettings, read_for_spec
+from .accelerate_settings import AccelerateSettings
 from .slurm import SlurmOptions
 from .files import line_of, read_deepspeed_config, read_yaml
 from .restart import RestartPolicy
@@ -57,8 +57,7 @@ class SSHOptions(BaseModel):
 
     Every field left unset falls back to the user's ``~/.ssh/config`` (``User``, ``Port``,
     ``IdentityFile``, ``UserKnownHostsFile``, ``HostName``) and then to OpenSSH's
-    defaults (the current user, port 22, the default keys and an ssh agent,
-    ``~/.ssh/known_hosts``).
+    defaults (the current user, port 22, the default keys and an ssh agent, ``~/.ssh/known_hosts``).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -461,7 +460,8 @@ def spec_from_dict(data: Any, base_dir: str | Path = ".", source: str = "<spec>"
     if not isinstance(data, Mapping):
         _raise([("(spec)", f"expected a mapping of fields (name: ..., entrypoint: ...); got {type(data).__name__}", None)], source)
     accelerate_problems: list[tuple[str, str]] = []
-    if data.get("accelerate_config") is not None:  # its keys become the spec's where the spec is silent
+    if data.get("accelerate_config") is not None:  # its keys become the spec's where the spec is silent (and
+        from .accelerate import read_for_spec  # Accelerate's rules are imported: a spec without one does without)
         data, accelerate_problems = read_for_spec(dict(data), base_dir)
     accelerate_lines = [(p, m, line_of(_tree, ("accelerate_config",))) for p, m in accelerate_problems]
     nul = _nul_problems(data)
