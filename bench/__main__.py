@@ -49,7 +49,7 @@ SECTIONS = (
             "orch vs `deepspeed --launcher pdsh` (real pdsh and OpenSSH) vs torchrun on each node vs one bare process."),
     Section("fast_start", "Forked ranks vs exec'd ranks", ("--rounds", "5"), ("--rounds", "1"),
             what="orch with fast_start on vs off, the same job on local nodes."),
-    Section("metrics_overhead", "Steady-state throughput and scrape time", ("--rounds", "5", "--steps", "400"),
+    Section("metrics_overhead", "Steady-state throughput and scrape time", ("--rounds", "9", "--steps", "300"),
             ("--rounds", "1", "--steps", "60"),
             what="orch with metrics on vs off vs DeepSpeed's bare launcher (throughput paired per round); one scrape."),
     Section("failure_detection", "Detection of a dead rank", ("--rounds", "5"), ("--rounds", "1"),

@@ -262,7 +262,8 @@ def _drop_stdout() -> bool:
     try:
         sys.stdout.write("")
         sys.stdout.flush()
-        return False
+        if not _pipe_closed(1):  # (an empty buffer flushes without writing: ask the descriptor itself)
+            return False
     except (OSError, ValueError, AttributeError):
         pass
     try:
@@ -270,6 +271,17 @@ def _drop_stdout() -> bool:
     except OSError:
         pass
     return True
+
+
+def _pipe_closed(fd: int) -> bool:
+    """The descriptor is a pipe or socket whose reader has gone (poll(2) reports POLLERR or POLLHUP for writing)."""
+    import select
+    try:
+        poller = select.poll()
+        poller.register(fd, select.POLLOUT)
+        return any(ev & (select.POLLERR | select.POLLHUP) for _, ev in poller.poll(0))
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 if __name__ == "__main__":
