@@ -184,9 +184,11 @@ def _print_table(verdict: dict[str, Any]) -> None:
     for node in verdict["nodes"]:
         env = (node.get("report") or {})
         if env.get("python"):
-            console.print(printable(f"{node['host']}: python {env.get('python')}, torch {env.get('torch')}, cuda "
-                                    f"{env.get('cuda')}, nccl {env.get('nccl')}, deepspeed {env.get('deepspeed')}, "
-                                    f"accelerator {env.get('accelerator')}, gpus {env.get('gpus')}"),
+            cuda = (f"CUDA {env['cuda']}" + (f", NCCL {env['nccl']}" if env.get("nccl") else "")) if env.get("cuda") \
+                else "no CUDA"
+            console.print(printable(f"{node['host']}: python {env.get('python')}, torch {env.get('torch')} ({cuda}), "
+                                    f"deepspeed {env.get('deepspeed') or 'not found'}, accelerator "
+                                    f"{env.get('accelerator') or 'unknown'}, {env.get('gpus') or 0} GPU(s) visible"),
                           markup=False, highlight=False, soft_wrap=True)
     for f in verdict["failures"]:
         console.print(Text(printable(f"FAILED {f['text']}"), style="red"), soft_wrap=True)
