@@ -25,6 +25,12 @@ def native_args(name: str, mpi_hosts) -> list[str]:
     return ["-launcher", "ssh", "-launcher-exec", ssh]
 
 
+def openmpi_mpi4py_env() -> dict[str, str]:
+    """What mpi4py needs to use Open MPI's library (libmpi.so.40) under Open MPI's mpirun: without it, mpi4py
+    loads whatever ``libmpi.so`` is first, which is MPICH's where Debian's libmpich-dev is installed."""
+    return {"MPI4PY_MPIABI": "openmpi"}
+
+
 def mpich_mpi4py_env(tmp_path) -> dict[str, str]:
     """What mpi4py needs to use MPICH's library (and so Hydra's or srun's PMI) instead of Open MPI's:
     Debian names it libmpich.so.12, mpi4py's MPICH build loads libmpi.so.12."""

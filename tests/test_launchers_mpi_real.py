@@ -34,7 +34,7 @@ from pathlib import Path
 import pytest
 from conftest import assert_no_leftovers
 
-from helpers_mpi import SLOTS, mpich_mpi4py_env, native_args
+from helpers_mpi import SLOTS, mpich_mpi4py_env, native_args, openmpi_mpi4py_env
 from orchestrator.launchers import LaunchContext, get_launcher
 from orchestrator.launchers.deepspeed import pdsh_exports
 
@@ -85,8 +85,10 @@ def _job(name: str, mpi_hosts, tmp_path: Path):
     work.mkdir()
     port = _free_port()
     # the probe's settings reach remote ranks the way a DeepSpeed user's do: .deepspeed_env
+    # (and under Open MPI, which library mpi4py loads: a libmpi.so from libmpich-dev would be loaded first)
+    mpi4py = "".join(f"{k}={v}\n" for k, v in openmpi_mpi4py_env().items()) if name == "openmpi" else ""
     (work / ".deepspeed_env").write_text(f"PROBE_OUT_DIR={out}\nPROBE_DS_DISCOVERY=1\nPROBE_DS_PORT={port}\n"
-                                         "DS_ACCELERATOR=cpu\nSHARED=hello world\n")
+                                         f"DS_ACCELERATOR=cpu\nSHARED=hello world\n{mpi4py}")
     base = {"PATH": f"{bin_dir}:{Path(sys.executable).parent}:/usr/bin:/bin", "HOME": str(tmp_path),
             "LANG": "C.UTF-8", "PYTHONPATH": "/opt/site", "UCX_LOG_LEVEL": "error"}
     launcher_args: tuple[str, ...] = ()
