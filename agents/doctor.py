@@ -205,35 +205,10 @@ class NodeDoctor:
 
     def _run_probe(self, python: str, cwd: str, timeout: float) -> dict[str, Any]:
         """What the probe found, or ``{"errors": [why the Python did not run]}``."""
-        try:
-            with self._lock:
-                if self._closed:
-                    return {"errors": ["the doctor was called off"]}
-                self._probe = subprocess.Popen([python, "-c", _PROBE], cwd=cwd, env=self.env, stdin=subprocess.DEVNULL,
-                                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-                                               preexec_fn=_die_with_parent)
-                probe = self._probe
-        except OSError as err:
-            return {"errors": [f"python {python} cannot be run: {err.strerror or err}"]}
-        try:
-            out, err = probe.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self._kill_probe()
-            probe.communicate()
+        found, why, timed_out = self._run_script([python, "-c", _PROBE], self.env, timeout, cwd=cwd, lines=3)
+        if timed_out:
             return {"errors": [f"python {python} did not import torch and deepspeed within {timeout:g} s"]}
-        finally:
-            with self._lock:
-                self._probe = None
-        for line in reversed(out.decode("utf-8", "replace").splitlines()):
-            if line.startswith(_MARK):
-                try:
-                    return json.loads(line[len(_MARK):])
-                except ValueError:
-                    break
-        tail = " ".join(err.decode("utf-8", "replace").strip().splitlines()[-3:])[-400:]
-        how = (f"exited with status {probe.returncode}" if probe.returncode >= 0
-               else f"was killed by {signal.Signals(-probe.returncode).name}")
-        return {"errors": [f"python {python} {how}{': ' + tail if tail else ''}"]}
+        return {"errors": [why]} if why else found
 
     def _kill_probe(self) -> None:
         with self._lock:
@@ -301,39 +276,43 @@ class NodeDoctor:
         argv = [str(msg.get("python") or "python3"), "-c", _ALLREDUCE, str(msg.get("addr")), str(msg.get("port")),
                 str(msg.get("rank")), str(msg.get("world")), str(msg.get("bytes") or 1 << 22),
                 str(msg.get("iters") or 5), str(timeout)]
-        found, why = self._run_script(argv, env, timeout + 5.0)
+        found, why, _ = self._run_script(argv, env, timeout + 5.0)
         if why:
             return {"status": "failed", "detail": f"the all-reduce failed: {why}"}
         return {"status": "passed", "detail": "", "result": found}
 
-    def _run_script(self, argv: list[str], env: dict[str, str], timeout: float) -> tuple[dict[str, Any], str]:
-        """``(what the script printed after the mark, "")`` or ``({}, why it did not)``; killed at ``timeout``."""
+    def _run_script(self, argv: list[str], env: dict[str, str], timeout: float, cwd: str = "/",
+                    lines: int = 2) -> tuple[dict[str, Any], str, bool]:
+        """``(what the script printed after the mark, "", False)``, or ``({}, why it did not, timed out)``: killed
+        at ``timeout`` seconds; ``why`` ends with the last ``lines`` lines of its standard error."""
         try:
             with self._lock:
                 if self._closed:
-                    return {}, "the doctor was called off"
-                proc = self._probe = subprocess.Popen(argv, cwd="/", env=env, stdin=subprocess.DEVNULL,
+                    return {}, "the doctor was called off", False
+                proc = self._probe = subprocess.Popen(argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL,
                                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                                       start_new_session=True, preexec_fn=_die_with_parent)
         except OSError as err:
-            return {}, f"python {argv[0]} cannot be run: {err.strerror or err}"
+            return {}, f"python {argv[0]} cannot be run: {err.strerror or err}", False
         try:
             out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
             self._kill_probe()
             proc.communicate()
-            return {}, f"no result within {timeout:g} s"
+            return {}, f"no result within {timeout:g} s", True
         finally:
             with self._lock:
                 self._probe = None
         for line in reversed(out.decode("utf-8", "replace").splitlines()):
             if line.startswith(_MARK):
                 try:
-                    return json.loads(line[len(_MARK):]), ""
+                    return json.loads(line[len(_MARK):]), "", False
                 except ValueError:
                     break
-        tail = " ".join(err.decode("utf-8", "replace").strip().splitlines()[-2:])[-300:]
-        return {}, f"exited with status {proc.returncode}{': ' + tail if tail else ''}"
+        tail = " ".join(err.decode("utf-8", "replace").strip().splitlines()[-lines:])[-100 * (lines + 1):]
+        how = (f"exited with status {proc.returncode}" if proc.returncode >= 0
+               else f"was killed by {signal.Signals(-proc.returncode).name}")
+        return {}, f"python {argv[0]} {how}{': ' + tail if tail else ''}", False
 
     def _unlisten(self) -> None:
         with self._lock:
