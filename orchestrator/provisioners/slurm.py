@@ -210,6 +210,9 @@ class SlurmProvisioner(Provisioner):
 
     #: ``scontrol show node``'s state words of a node out of service (its base state, or one of its ``+`` flags).
     OUT_OF_SERVICE = frozenset({"DOWN", "DRAIN", "FAIL", "FUTURE"})
+    #: Seconds :meth:`unavailable` waits for scontrol: it is asked from the attempt's message loop, which must
+    #: not stall for slurm_command's usual 30 s when slurmctld is away (the reporting node is named then).
+    UNAVAILABLE_TIMEOUT_S = 5.0
 
     def unavailable(self, hosts: Sequence[str]) -> list[str]:
         """Those of ``hosts`` that Slurm has down, drained, draining or failing, in the order given: when Slurm
@@ -221,7 +224,8 @@ class SlurmProvisioner(Provisioner):
         if not hosts:
             return []
         try:
-            r = slurm_command(["scontrol", "show", "node", "--oneliner", ",".join(hosts)], self.env)
+            r = slurm_command(["scontrol", "show", "node", "--oneliner", ",".join(hosts)], self.env,
+                              timeout=self.UNAVAILABLE_TIMEOUT_S)
         except ProvisionError:
             return []
         out = set()

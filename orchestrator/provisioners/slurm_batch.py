@@ -84,19 +84,21 @@ _STUCK = {
 _WAITING = {"PENDING", "CONFIGURING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESIZING", "SUSPENDED"}
 
 
-def slurm_command(argv: list[str], env: Mapping[str, str], stdin: str | None = None) -> subprocess.CompletedProcess:
-    """Run one of Slurm's client commands (``_TIMEOUT_S`` at most); its result, whatever its exit status.
+def slurm_command(argv: list[str], env: Mapping[str, str], stdin: str | None = None,
+                  timeout: float = _TIMEOUT_S) -> subprocess.CompletedProcess:
+    """Run one of Slurm's client commands (``timeout`` seconds at most, ``_TIMEOUT_S`` by default); its result,
+    whatever its exit status.
 
     Raises:
         ProvisionError: the command is not on PATH, or did not answer in time.
     """
     try:
-        return subprocess.run(argv, input=stdin, capture_output=True, text=True, timeout=_TIMEOUT_S, env=dict(env))
+        return subprocess.run(argv, input=stdin, capture_output=True, text=True, timeout=timeout, env=dict(env))
     except FileNotFoundError:
         raise ProvisionError(f"provisioner slurm: {argv[0]} is not on PATH (Slurm's client commands are needed "
                              "on the machine orch runs on)") from None
     except subprocess.TimeoutExpired:
-        raise ProvisionError(f"provisioner slurm: {' '.join(argv)} did not answer within {_TIMEOUT_S:.0f} s "
+        raise ProvisionError(f"provisioner slurm: {' '.join(argv)} did not answer within {timeout:g} s "
                              "(is slurmctld reachable?)") from None
 
 
