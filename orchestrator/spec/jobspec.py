@@ -24,6 +24,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from ..errors import OrchError, SpecError
 from ..launchers import get_launcher
 from .accelerate_settings import AccelerateSettings
+from .options import (_ENV_KEY_RE, BindCores, PreflightOptions, RayOptions, SSHOptions, _scalar_to_str,
+                      bind_cores_value, node_env_problem)
 from .slurm import SlurmOptions
 from .files import line_of, read_deepspeed_config, read_yaml
 from .restart import RestartPolicy
@@ -40,68 +42,7 @@ PROVISIONERS = ("local", "ssh", "ray", "slurm")
 KNOWN_LAUNCHERS = ("pdsh", "standard", "nossh", "openmpi", "mvapich", "mpich", "impi", "slurm")
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
-_ENV_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _PATTERN_RE = re.compile(r"^[A-Za-z0-9_*?\[\]!-]+$")
-
-
-def _scalar_to_str(value: Any) -> Any:
-    """YAML turns ``1`` into an int: accept numbers as strings. Booleans and the rest are left
-    for validation to refuse (``true`` is ambiguous: "true"? "1"? "True"?)."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return str(value)
-    return value
-
-
-class SSHOptions(BaseModel):
-    """How the ``ssh`` provisioner reaches the nodes (the spec's ``ssh`` section).
-
-    Every field left unset falls back to the user's ``~/.ssh/config`` (``User``, ``Port``,
-    ``IdentityFile``, ``UserKnownHostsFile``, ``HostName``) and then to OpenSSH's
-    defaults (the current user, port 22, the default keys and an ssh agent, ``~/.ssh/known_hosts``).
-    """
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    user: str | None = Field(None, min_length=1, description="Login user on every node.")
-    port: int | None = Field(None, ge=1, le=65535, description="sshd port on every node.")
-    identity_file: str | None = Field(None, description="Private key file (must be readable by the user only).")
-    known_hosts: str | None = Field(None, description="known_hosts file the nodes' host keys are checked against.")
-    host_key_policy: Literal["verify", "accept-new"] = Field(
-        "verify", description="verify: an unknown or changed host key is an error; accept-new: unknown keys "
-        "are added to known_hosts (changed keys are still an error), like OpenSSH's StrictHostKeyChecking=accept-new.")
-    connect_timeout: float = Field(10.0, gt=0, le=600, description="Seconds to connect and log in to one node.")
-    max_parallel: int = Field(32, ge=1, le=4096, description="Nodes connected to at once.")
-    config_file: str | None = Field(None, description="ssh client config to read (default ~/.ssh/config).")
-
-
-class RayOptions(BaseModel):
-    """Which Ray cluster the ``ray`` provisioner uses (the spec's ``ray`` section)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    address: str = Field("local", min_length=1, description="local: start Ray on this machine; auto: the "
-                         "cluster `ray start` made here (or $RAY_ADDRESS); host:port: that cluster's GCS; "
-                         "ray://host:port: through Ray Client.")
-    connect_timeout: float = Field(30.0, gt=0, le=600, description="Seconds to reach the cluster.")
-
-
-class PreflightOptions(BaseModel):
-    """What every node checks before the first rank starts (the spec's ``preflight`` section;
-    ``preflight: false`` is short for ``{enabled: false}``). See docs/jobspec.md."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    enabled: bool = Field(True, description="Run the preflight checks; false: ranks start right after every "
-                          "node's agent is up.")
-    shared_checkpoint_dir: bool = Field(True, description="Check that every node sees the same checkpoint_dir "
-                                        "(shared storage); false for node-local checkpoint directories.")
-    import_deepspeed: bool = Field(False, description="Import deepspeed under the spec's Python (seconds per "
-                                   "node) instead of only finding deepspeed and torch (milliseconds).")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _shorthand(cls, value: Any) -> Any:
-        return {"enabled": value} if isinstance(value, bool) else value
 
 
 class JobSpec(BaseModel):
@@ -145,6 +86,13 @@ class JobSpec(BaseModel):
     env_from_file: dict[str, str] = Field(default_factory=dict, description="Variables read from a file on each "
                                           "node when its ranks start (NAME: path; ~ and paths relative to workdir "
                                           "taken there), for secrets: orch stores and shows only the path.")
+    node_env: dict[str, dict[str, str]] = Field(default_factory=dict, description="Variables by host class: "
+                                               "{pattern: {NAME: value}}, a shell pattern on the hostfile's host "
+                                               "names (gpu-a100-*); every matching entry applies, in the order "
+                                               "written, over env.")
+    bind_cores: BindCores = Field("off", description="Pin each rank to CPU cores: auto: the cores of its GPU's "
+                                  "NUMA node, shared among that node's ranks, OMP_NUM_THREADS set to their "
+                                  "number; a map slot -> CPU list ({0: \"0-11\"}); off: no pinning.")
     workdir: str = "."
     python: str | None = None
     entrypoint: str
@@ -261,6 +209,22 @@ class JobSpec(BaseModel):
                                  "(letters, digits and '_', not starting with a digit)")
             out[key] = _scalar_to_str(value)
         return out
+
+    @field_validator("node_env", mode="before")
+    @classmethod
+    def _node_env(cls, v: Any) -> Any:
+        if not isinstance(v, Mapping):
+            return v
+        for pattern, variables in v.items():
+            problem = node_env_problem(pattern, variables)
+            if problem:
+                raise ValueError(problem)
+        return {p: {k: _scalar_to_str(x) for k, x in vs.items()} for p, vs in v.items()}
+
+    @field_validator("bind_cores", mode="before")
+    @classmethod
+    def _bind_cores(cls, v: Any) -> Any:
+        return bind_cores_value(v)
 
     @field_validator("env_passthrough")
     @classmethod
