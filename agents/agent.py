@@ -47,7 +47,7 @@ from .adopted import SHIM, AdoptedRank, log_tail, write_plans, wrong_tool
 from .before import BeforeStart, stay_warm
 from .forkserver import ForkedRank, ForkServer, open_server
 from .sweep import carry_record
-from .nodeenv import node_env, rank_env, read_env_files
+from .nodeenv import node_accelerator, node_env, rank_env, read_env_files
 from .link import MessageReader, MessageWriter
 from .ranks import RankProcess, become_subreaper, private_files, describe_returncode, kill_descendants, kill_marked, stop_all
 
@@ -547,9 +547,9 @@ def main() -> int:
     inbox: "queue.Queue[tuple[Any, dict]]" = queue.Queue()
     MessageReader(sys.stdin.buffer, name="controller-link", sink=inbox, tag="controller")
     from orchestrator import __version__
-    writer.send({"type": "hello", "host": socket.gethostname(), "pid": os.getpid(), "python": sys.executable,
-                 "version": __version__})
     base_env = node_env(os.environ)
+    writer.send({"type": "hello", "host": socket.gethostname(), "pid": os.getpid(), "python": sys.executable,
+                 "version": __version__, "accelerator": node_accelerator(base_env)})
     before = BeforeStart(writer, inbox, base_env)
     first = before.wait()
     before.close()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from typing import Mapping
 
-__all__ = ["SLURM_STEP_VARS", "node_env", "rank_env", "read_env_files"]
+__all__ = ["SLURM_STEP_VARS", "node_env", "node_accelerator", "rank_env", "read_env_files"]
 
 
 #: What an srun step sets about itself (the slurm provisioner's agent step), which the ranks must not
@@ -34,6 +34,20 @@ def node_env(environ: "os._Environ[str] | Mapping[str, str]") -> dict[str, str]:
             if not k.startswith("ORCH_AGENT_") and not (step and k in SLURM_STEP_VARS)}
 
 
+def node_accelerator(env: Mapping[str, str]) -> str:
+    """The DeepSpeed accelerator a rank with environment ``env`` gets on this node, without importing DeepSpeed
+    or torch: ``DS_ACCELERATOR`` when set (DeepSpeed's ``real_accelerator.get_accelerator`` takes it first),
+    else ``cuda`` when the NVIDIA driver's control device ``/dev/nvidiactl`` exists, else ``cpu``.
+
+    DeepSpeed's own detection goes on to try importing each vendor's extension (``torch_npu``,
+    ``intel_extension_for_pytorch``...); a node with such an accelerator must set ``DS_ACCELERATOR``
+    for orch to export that accelerator's variables to it (``planning.node_layers``)."""
+    name = env.get("DS_ACCELERATOR")
+    if name:
+        return name
+    return "cuda" if os.path.exists("/dev/nvidiactl") else "cpu"
+
+
 def read_env_files(files: dict[str, str], workdir: str, host: str) -> dict[str, str]:
     """The spec's ``env_from_file`` read here: each file's text, less one trailing newline (``~`` and paths
     relative to ``workdir`` taken on this node).
@@ -55,11 +69,16 @@ def read_env_files(files: dict[str, str], workdir: str, host: str) -> dict[str, 
 
 
 def rank_env(base_env: dict[str, str], node: dict, rank: dict) -> dict[str, str]:
-    """A rank's environment: the node's, the launcher's defaults where unset, then the rank's own; and
+    """A rank's environment: the node's; where it lacks them, the variables exported for the node's accelerator
+    (``node["accelerator_env"]``, :func:`node_accelerator`) and the launcher's defaults; then the rank's own; and
     the node plan's ``path_prepend`` (the ranks' Python's directory) first on ``PATH`` unless already on it.
     A DeepSpeed job's rank (``ORCH_DEEPSPEED_CONFIG`` set) whose environment sets no ``TORCH_EXTENSIONS_DIR``
     gets its Python environment's own (:func:`agents.opbuild.default_extensions_dir`)."""
     env = dict(base_env)
+    layers = node.get("accelerator_env")
+    if layers:  # the controller's variables DeepSpeed's runner exports for this node's accelerator: the node's win
+        for key, value in layers.get(node_accelerator({**base_env, **(rank.get("env") or {})}), {}).items():
+            env.setdefault(key, value)
     for key, value in (node.get("env_defaults") or {}).items():
         env.setdefault(key, value)  # what the real launcher sets only where unset
     env.update(rank.get("env") or {})

@@ -21,6 +21,7 @@ from ..launchers import get_launcher
 from ..launchers.base import SHIM_TOKEN, LaunchContext, RealCommand
 from ..launchers.deepspeed import pdsh_exports
 from ..spec import JobSpec
+from .node_layers import accelerator_layers, node_env_layer, unmatched_patterns, with_node_env
 from .pool import ResourcePool
 
 #: Launchers whose real command is built by DeepSpeed's runner.py multi-node path (which exports
@@ -173,6 +174,9 @@ class NodePlan:
             at, or the spec's ``metrics_addr``; ``0.0.0.0``: every interface).
         env_from_file: variable -> file the agent reads it from when the ranks start (the spec's
             ``env_from_file``; the value is never in the plan).
+        accelerator_env: accelerator name -> variables the agent sets on the ranks where the node's environment
+            lacks them, if the node's accelerator is that one (``planning.node_layers.accelerator_layers``).
+        bind_cores: the spec's ``bind_cores`` (``off``, ``auto``, or slot -> CPU list), applied by the agent.
         metrics_dir: the attempt's scratch directory on the node, ``<run_dir>/scratch`` (its agent keeps
             its metrics and report files in ``node-<n>`` there: agents/metrics.py; removed at its end:
             docs/housekeeping.md), or None.
@@ -210,6 +214,8 @@ class NodePlan:
     native: Mapping[str, Any] | None = None
     metrics_addr: str = "0.0.0.0"
     env_from_file: Mapping[str, str] = field(default_factory=dict)
+    accelerator_env: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
+    bind_cores: Any = "off"
 
     def to_dict(self, shared: bool = False) -> dict:
         """JSON-able form (what the agent receives in its ``start`` message); ``shared``: each rank's argv and
@@ -223,7 +229,9 @@ class NodePlan:
                 "master": dict(self.master) if self.master else None, "path_prepend": self.path_prepend,
                 "checkpoint_watch": dict(self.checkpoint_watch) if self.checkpoint_watch else None,
                 "native": dict(self.native) if self.native else None, "metrics_addr": self.metrics_addr,
-                "env_from_file": dict(self.env_from_file)}
+                "env_from_file": dict(self.env_from_file),
+                "accelerator_env": {k: dict(v) for k, v in self.accelerator_env.items()},
+                "bind_cores": dict(self.bind_cores) if isinstance(self.bind_cores, Mapping) else self.bind_cores}
 
 
 @dataclass(frozen=True)
@@ -352,7 +360,7 @@ def _launcher_exports(spec: JobSpec, inputs: PlanInputs, nodes: int) -> dict[str
     if spec.launcher not in DEEPSPEED_RUNNERS or (nodes < 2 and not spec.force_multi):  # runner.main(): only the multi-node path exports
         return {}
     exports = pdsh_exports(inputs.controller_env, inputs.controller_cwd, inputs.deepspeed_env_lines,
-                           accelerator_exports=inputs.accelerator_exports)
+                           accelerator_exports=())  # the accelerator's: decided per node (node_layers)
     return {k: v for k, v in exports.items() if k not in spec.env}
 
 
@@ -521,6 +529,8 @@ def _make_plan(spec: JobSpec, pool: ResourcePool, inputs: PlanInputs) -> JobPlan
     if inputs.resume_tag:
         args += inputs.resume_args
     exports = _launcher_exports(spec, inputs, len(pool.nodes))
+    by_accelerator = accelerator_layers(inputs.controller_env, inputs.controller_cwd, exports, spec.env) \
+        if spec.launcher in DEEPSPEED_RUNNERS and (len(pool.nodes) > 1 or spec.force_multi) else {}
     ctx = LaunchContext(
         world=pool.nodes, master_addr=spec.master_addr or inputs.default_master_addr,
         master_port=inputs.master_port, python=inputs.python, entrypoint=spec.entrypoint,
@@ -541,11 +551,16 @@ def _make_plan(spec: JobSpec, pool: ResourcePool, inputs: PlanInputs) -> JobPlan
     path_prepend = os.path.dirname(inputs.python) if spec.prepend_python_bin and os.path.isabs(inputs.python) else None
     world = sum(len(slots) for _, slots in pool.nodes)
     watch = {**inputs.checkpoint_watch, "world_size": world} if inputs.checkpoint_watch else None
-    shown = replace(ctx, exports={**exports, **spec.env})  # what the real tool would export
+    here = by_accelerator.get(inputs.accelerator, {})  # the real tool exports the controller's accelerator's
+    shown = replace(ctx, exports={**exports, **here, **spec.env})  # what the real tool would export
     metrics_ports = _metrics_ports(spec, pool)
     nodes = []
     for node_rank, (host, slots) in enumerate(pool.nodes):
-        ranks = _rank_plans(spec, inputs, launcher, ctx, node_rank, orch_env(spec, inputs, node_rank, host))
+        extra = orch_env(spec, inputs, node_rank, host)
+        ranks = _rank_plans(spec, inputs, launcher, ctx, node_rank, extra)
+        if spec.node_env:
+            ranks = with_node_env(ranks, node_env_layer(spec.node_env, host), host, spec.env, exports,
+                                  {**inputs.accelerate_env, **extra}, launcher.name)
         store = launcher.agent_store(ctx, node_rank)
         defaults = {k: v for k, v in {**inputs.accelerate_env_defaults, **launcher.env_defaults(ctx, node_rank)}.items()
                     if k not in spec.env}
@@ -555,7 +570,8 @@ def _make_plan(spec: JobSpec, pool: ResourcePool, inputs: PlanInputs) -> JobPlan
                               monitor_dir if any(r.global_rank == 0 for r in ranks) else None, master,
                               path_prepend, watch, _native(spec, launcher, shown, node_rank, log_dir),
                               spec.metrics_addr if spec.metrics_addr != "auto" else
-                              inputs.node_addresses.get(host, "0.0.0.0"), dict(spec.env_from_file)))
+                              inputs.node_addresses.get(host, "0.0.0.0"), dict(spec.env_from_file), by_accelerator,
+                              spec.bind_cores))
     return JobPlan(
         job_id=inputs.job_id, job_name=spec.name, attempt=inputs.attempt, launcher=launcher.name,
         provisioner=spec.provisioner, master_addr=ctx.master_addr, master_port=ctx.master_port,
@@ -564,6 +580,6 @@ def _make_plan(spec: JobSpec, pool: ResourcePool, inputs: PlanInputs) -> JobPlan
         resume_tag=inputs.resume_tag, deepspeed_config=ds_config,
         deepspeed_config_path=inputs.deepspeed_config_path, grace=spec.stop_grace_seconds,
         warnings=(tuple(pool.warnings) + tuple(launcher.warnings(shown)) + tuple(_mode_warnings(spec, shown))
-                  + tuple(inputs.config_warnings)),
+                  + tuple(inputs.config_warnings) + tuple(unmatched_patterns(spec.node_env, pool.hosts))),
         resume_universal_from=inputs.resume_universal_from if inputs.resume_tag else None,
         resume_dir=inputs.resume_dir or inputs.checkpoint_dir)

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Mapping
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from ..errors import OrchError, SpecError
 from ..launchers import get_launcher

@@ -44,7 +44,8 @@ class AttemptMessages:
 
     def _on_hello(self, node_rank: int, msg: dict) -> None:
         self.node_state[node_rank] = "up"
-        self._event("agent_up", {"node_rank": node_rank, "host": self._host(node_rank), "pid": msg.get("pid")})
+        self._event("agent_up", {"node_rank": node_rank, "host": self._host(node_rank), "pid": msg.get("pid"),
+                                 "accelerator": msg.get("accelerator")})
 
     def _on_preflight_result(self, node_rank: int, msg: dict) -> None:
         pf = self._preflight
