@@ -135,6 +135,16 @@ def _print_from_files(plan: Any) -> None:
         console.print("  read on each node when its ranks start (env_from_file; never stored): "
                       + ", ".join(f"{k} from {v}" for k, v in sorted(from_files.items())), markup=False,
                       highlight=False, soft_wrap=True)
+    layers = dict(plan.nodes[0].accelerator_env) if plan.nodes else {}  # orchestrator.planning.node_layers
+    cuda = layers.pop("cuda", None)
+    if cuda:
+        console.print("  on nodes whose accelerator is cuda, where the node's own environment lacks them (as "
+                      "DeepSpeed's runner exports them from a GPU head node): "
+                      + " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(cuda.items())),
+                      markup=False, highlight=False, soft_wrap=True)
+    if layers:
+        console.print(f"  (and for nodes whose accelerator is {', '.join(layers)}: that accelerator's exports, "
+                      "likewise; orch plan --output json lists them)", markup=False, highlight=False, soft_wrap=True)
 
 
 def print_layout(plan: Any, interfaces: dict[int, str], summary: bool, every: bool) -> Any:
