@@ -790,6 +790,19 @@ class TestNetwork:
         self._spawn_sshd(h)
         self._wait_sshd(h, time.monotonic() + (timeout or self.startup_timeout))
 
+    def set_session_env(self, i: int | str, env: Mapping[str, str]) -> None:
+        """Host i's sshd sets ``env`` in every session it opens (sshd's ``SetEnv``; empty: none), as a
+        node's login environment would; its sshd is restarted to take it (open sessions are cut)."""
+        h = self.host(i)
+        lines = [ln for ln in h.sshd_config.read_text().splitlines() if not ln.startswith("SetEnv ")]
+        if env:
+            lines.append("SetEnv " + " ".join(f"{k}={v}" for k, v in env.items()))
+        h.sshd_config.write_text("\n".join(lines) + "\n")
+        if h.sshd is not None and h.sshd.poll() is None:
+            h.sshd.terminate()
+            h.sshd.wait(10)
+        self.start_sshd(i)
+
     def cut_link(self, i: int | str) -> None:
         """Take eth0 down inside host i: its packets are dropped, peers see silence (no reset)."""
         _ip("-n", self.host(i).ns, "link", "set", IFACE, "down")
