@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 from orchestrator.planning import PlanInputs, make_plan, resolve_pool  # noqa: E402
 from orchestrator.spec import spec_from_dict  # noqa: E402
 
-PYTHON = str(ROOT / ".venv" / "bin" / "python") if (ROOT / ".venv" / "bin" / "python").exists() else sys.executable
+PYTHON = sys.executable  # the interpreter running the benchmark: its virtualenv has orch, wherever it is
 
 
 def _ms(values: list[float]) -> str:

@@ -32,6 +32,7 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -47,7 +48,8 @@ _spec = importlib.util.spec_from_file_location("orch_tests_probe_acc", PROBE)
 probe = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(probe)
 
-VENV_BIN = Path(__file__).resolve().parents[1] / ".venv" / "bin"
+#: The running virtualenv's bin, wherever it is (not the checkout's .venv: the suite runs from any virtualenv).
+VENV_BIN = Path(sys.executable).parent
 #: The interpreter of the ``deepspeed`` and ``accelerate`` console scripts (their shebang), which the
 #: real tools' processes run under; orch's controller runs under it too, so argv[0] of the ranks match.
 PYTHON = (VENV_BIN / "deepspeed").read_text().splitlines()[0].removeprefix("#!").strip()
