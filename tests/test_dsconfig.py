@@ -4,6 +4,9 @@ and every rule checked, each with a failing and a passing case. Pure: no process
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -404,3 +407,26 @@ def test_under_the_script_orch_fills_only_the_zero_settings_it_gives_the_ranks()
     no_zero = {k: v for k, v in HF_AUTO.items() if k != "zero_optimization"}
     problems = _problems(no_zero, accelerate=False, filled_by="script")
     assert list(problems) == ["zero_optimization"] and "Please specify the ZeRO" in problems["zero_optimization"]
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_nvme_optimizer_offload_below_stage_3_is_said_to_become_cpu_offload(stage) -> None:
+    config = _zero(stage, offload_optimizer={"device": "nvme", "nvme_path": "/nvme"})
+    problems, warnings = check(config, RUN)
+    assert problems == [] and len(warnings) == 1
+    assert f"ZeRO stage is {stage}: DeepSpeed offloads the optimizer to CPU memory instead" in warnings[0]
+    assert check(_zero(3, offload_optimizer={"device": "nvme", "nvme_path": "/nvme"}), RUN) == ([], [])
+    assert check(_zero(stage, offload_optimizer={"device": "cpu"}), RUN) == ([], [])
+
+
+def test_orch_plan_prints_its_warnings_before_the_plan(tmp_path) -> None:
+    (tmp_path / "t.py").write_text("")
+    (tmp_path / "ds.json").write_text(json.dumps(_zero(2, offload_optimizer={"device": "nvme", "nvme_path": "/n"})))
+    (tmp_path / "job.yaml").write_text("name: t\nentrypoint: t.py\ndeepspeed_config: ds.json\n")
+    r = subprocess.run([sys.executable, "-m", "orchestrator", "plan", str(tmp_path / "job.yaml")],
+                       capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
+                       env={**os.environ, "ORCH_STATE_DIR": str(tmp_path / "state"), "COLUMNS": "300"})
+    assert r.returncode == 0, r.stderr
+    first = r.stderr.splitlines()[0]
+    assert first.startswith("warning: zero_optimization.offload_optimizer.device is \"nvme\"") and \
+        "1 warning(s), shown above the plan" in r.stderr.splitlines()[-1]

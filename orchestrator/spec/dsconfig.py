@@ -470,6 +470,12 @@ def check(config: Mapping[str, Any], run: RunFacts,
         problems.append(("zero_optimization.stage", f"must be 0, 1, 2 or 3; got {stage!r}"))
         stage = None
     problems += _offload_problems(zero, stage)
+    section = zero.get("offload_optimizer")
+    if isinstance(section, dict) and section.get("device") == "nvme" and stage in (1, 2):
+        warnings.append(f"zero_optimization.offload_optimizer.device is \"nvme\" but the ZeRO stage is {stage}: "
+                        "DeepSpeed offloads the optimizer to CPU memory instead (stage 1 and 2 treat any offload "
+                        "device as CPU offload: runtime/zero/stage_1_and_2.py), and nvme_path is not used. Set "
+                        "zero_optimization.stage to 3 for NVMe offload, or the device to \"cpu\" to say what runs")
     zpp = _zero_pp(zero, stage, run)
     problems += zpp[0]
     warnings += zpp[1]

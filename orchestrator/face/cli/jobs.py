@@ -65,6 +65,8 @@ def _plan(args: argparse.Namespace) -> int:
     c.print(f"launcher {plan.launcher}, provisioner {plan.provisioner}, {len(plan.nodes)} node(s), "
             f"world size {plan.world_size}, master {plan.master_addr}:{plan.master_port}",
             markup=False, highlight=False)
+    for w in plan.warnings:  # at the top, where a reader starts: what will not run as written comes first
+        err_console.print(Text(f"warning: {w}", style="yellow"), soft_wrap=True)
     here = print_layout(plan, interfaces, summary, getattr(args, "all", False))
     c.print(devices_line(plan, here), markup=False, highlight=False, soft_wrap=True)
     defaults = {k: v for n in plan.nodes for k, v in n.env_defaults.items()}
@@ -95,8 +97,8 @@ def _plan(args: argparse.Namespace) -> int:
         prefix = " ".join(f"{k}={shlex.quote(v)}" for k, v in native["env"].items())
         c.print(f"  {prefix + ' ' if prefix else ''}{shlex.join(native['argv'])}", markup=False, highlight=False,
                 soft_wrap=True)
-    for w in plan.warnings:
-        err_console.print(Text(f"warning: {w}", style="yellow"), soft_wrap=True)
+    if plan.warnings:
+        err_console.print(Text(f"{len(plan.warnings)} warning(s), shown above the plan", style="yellow"))
     return 0
 
 
