@@ -6,7 +6,8 @@ hostfile's, as in ``deepspeed.launcher.runner``), every rank's global and local 
 its slot, argv and environment, the master address and port, and the command lines the
 real launcher would have run. Everything that needs I/O (reading files, picking a free
 port, the controller's environment) is passed in through :class:`PlanInputs`, so the
-planner can be tested exhaustively and plans thousands of nodes in milliseconds.
+planner can be tested exhaustively; it plans 4,096 nodes x 8 slots in 0.16-0.31 s by launcher (median, this
+machine: `python -m bench --only plan_scale`, docs/benchmarks.md).
 """
 
 from __future__ import annotations
