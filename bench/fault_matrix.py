@@ -35,13 +35,16 @@ and we measure, from the moment of the fault (wall clock):
     sudo .venv/bin/python bench/fault_matrix.py                  # every fault once
     sudo .venv/bin/python bench/fault_matrix.py --faults hang,save_crash --rounds 2 --output json
 
-Needs root, openssh-server/-client and iproute2 (as the ssh tests). Prints a markdown table.
+Needs root, openssh-server/-client and iproute2 (as the ssh tests). Prints a markdown table. A trial whose job
+does not end SUCCEEDED keeps its directory (the server's state dir and log, every attempt's logs): its path and
+the job's cause are printed (and are in ``--output json`` as ``kept`` and ``final_cause``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import sys
 import tempfile
@@ -54,6 +57,26 @@ sys.path.insert(0, str(ROOT))
 import helpers_train  # noqa: E402
 import nethosts  # noqa: E402
 from faultmatrix import FAULTS, run_fault  # noqa: E402
+
+
+def _trial(fault: str, net) -> dict:
+    """One trial of ``fault``. Its directory (the server's state dir: the store, every attempt's logs; the server's
+    log) is removed when the job SUCCEEDED; otherwise it is kept, and its path and the job's cause are printed."""
+    tmp = Path(tempfile.mkdtemp(prefix=f"orch-fault-{fault}-"))
+    try:
+        res = run_fault(fault, net, tmp)
+    except BaseException as err:
+        print(f"{fault}: the trial did not finish ({type(err).__name__}: {err}); its state dir and logs are kept "
+              f"in {tmp}", file=sys.stderr, flush=True)
+        raise
+    print(json.dumps(res), file=sys.stderr, flush=True)
+    if res.get("final_state") == "SUCCEEDED":
+        shutil.rmtree(tmp, ignore_errors=True)
+    else:
+        res["kept"] = str(tmp)
+        print(f"{fault}: the job ended {res.get('final_state')}: {res.get('final_cause') or 'no cause recorded'}; "
+              f"its state dir and logs are kept in {tmp}", file=sys.stderr, flush=True)
+    return res
 
 
 def main() -> int:
@@ -72,10 +95,7 @@ def main() -> int:
     with nethosts.TestNetwork(3) as net:
         for _ in range(args.rounds):
             for fault in faults:
-                with tempfile.TemporaryDirectory(prefix=f"orch-fault-{fault}-") as tmp:
-                    res = run_fault(fault, net, Path(tmp))
-                results.append(res)
-                print(json.dumps(res), file=sys.stderr, flush=True)
+                results.append(_trial(fault, net))
     if args.output == "json":
         print(json.dumps(results, indent=1))
         return 0

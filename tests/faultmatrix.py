@@ -262,7 +262,8 @@ def run_fault(fault: str, net, work: Path, lease_s: float = LEASE_S) -> dict:
         return {"fault": fault, "detected_s": round(detected, 3), "first_step_s": round(first_step_s, 2),
                 "reached_step": reached, "resumed_from": a2.resume_tag if a2 else None,
                 "steps_lost": reached - resumed, "leftovers": leftovers, "attempt1_gone_s": round(attempt1_gone_s, 1), "final_state": job.state.value,
-                "attempts": job.attempt, "cause": cause.get("kind")}
+                "attempts": job.attempt, "cause": cause.get("kind"),
+                "final_cause": (job.cause or {}).get("message") if job.state.value != "SUCCEEDED" else None}
     except AssertionError:  # say what the job went through, then fail the run
         if store is not None:
             for e in store.events(job_id):
