@@ -22,7 +22,8 @@ Controller -> agent:
         (``agents.attach``), once the one that started it died.
 
 Agent -> controller:
-    ``hello`` {host, pid, python}: the agent is up.
+    ``hello`` {host, pid, python, version, accelerator}: the agent is up; ``accelerator`` is the node's DeepSpeed
+        accelerator (``agents.nodeenv.node_accelerator``), which decides the variables exported to its ranks.
     ``preflight_result`` {phase: "check", checks: [{name, status, detail, seconds}], token, seconds}
         or {phase: "list", seen: [node ranks], problems, seconds}: a preflight phase's answer.
     ``doctor_result`` {phase, report | status, detail | at, seconds}: the answer to a ``doctor`` request.
