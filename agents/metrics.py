@@ -259,26 +259,27 @@ class ProgressReader:
 
 
 def gpu_stats() -> list[dict[str, float]]:
-    """Utilization (0..1) and memory (bytes) of each NVIDIA GPU of this node, via NVML; [] where
-    there is no NVML library or no GPU (never an error)."""
+    """Utilization (0..1) and memory (bytes) of each NVIDIA GPU of this node, via NVML (:func:`agents.gpu.nvml`);
+    [] where there is no NVML library or no GPU (never an error). A failure is tried again at the next call
+    (the agent's own series go through :class:`agents.gpu.NodeGpus`, which also counts and reports errors)."""
     state = gpu_stats.__dict__
-    if state.get("nvml") is False:
-        return []
     try:
-        import pynvml
-        if not state.get("nvml"):
-            pynvml.nvmlInit()
-            state["nvml"] = pynvml
+        from .gpu import nvml
+        mod = state.get("nvml")
+        if mod is None:
+            mod = nvml()
+            mod.nvmlInit()
+            state["nvml"] = mod
         out = []
-        for i in range(pynvml.nvmlDeviceGetCount()):
-            h = pynvml.nvmlDeviceGetHandleByIndex(i)
-            util = pynvml.nvmlDeviceGetUtilizationRates(h)
-            mem = pynvml.nvmlDeviceGetMemoryInfo(h)
+        for i in range(mod.nvmlDeviceGetCount()):
+            h = mod.nvmlDeviceGetHandleByIndex(i)
+            util = mod.nvmlDeviceGetUtilizationRates(h)
+            mem = mod.nvmlDeviceGetMemoryInfo(h)
             out.append({"gpu": i, "utilization": util.gpu / 100.0, "used": float(mem.used),
                         "total": float(mem.total)})
         return out
-    except Exception:  # noqa: BLE001 - no library, no driver, no GPU: no GPU metrics
-        state["nvml"] = False
+    except Exception:  # noqa: BLE001 - no library, no driver, no GPU: none now; tried again next time
+        state["nvml"] = None
         return []
 
 
@@ -291,12 +292,15 @@ class NodeCollector(Collector):
         metrics: the node's metrics directory (its ``prom/`` is merged in).
         progress: the node's progress reader (rank 0's DeepSpeed-monitor series).
         restarts: the attempt's restart count (attempt - 1).
+        gpus: the node's ranks' GPUs (:class:`agents.gpu.NodeGpus`: the ``orch_rank_gpu_*`` series, and the
+            ``orch_node_gpu_*`` ones through the same NVML), or None (``orch_node_gpu_*`` from :func:`gpu_stats`).
     """
 
     def __init__(self, job: str, attempt: int, node: str, ranks: Callable[[], dict[int, tuple[int, int | None]]],
                  metrics: NodeMetrics | None = None, progress: ProgressReader | None = None,
-                 restarts: int = 0) -> None:
+                 restarts: int = 0, gpus: Any = None) -> None:
         self.base = [job, str(attempt), node]
+        self.gpus = gpus
         self.ranks = ranks
         self.metrics = metrics
         self.progress = progress
@@ -337,7 +341,7 @@ class NodeCollector(Collector):
         total = GaugeMetricFamily("orch_node_memory_total_bytes", "memory of the node", labels=names)
         total.add_metric(self.base, vm.total)
         yield total
-        gpus = gpu_stats()
+        gpus = self.gpus.node_samples() if self.gpus is not None else gpu_stats()
         if gpus:
             g_labels = names + ["gpu"]
             util = GaugeMetricFamily("orch_node_gpu_utilization_ratio", "GPU utilization, 0..1 (NVML)",
@@ -351,6 +355,9 @@ class NodeCollector(Collector):
                 g_used.add_metric(key, g["used"])
                 g_total.add_metric(key, g["total"])
             yield from (util, g_used, g_total)
+        if self.gpus is not None:
+            from .gpu import families
+            yield from families(self.base, self.gpus)
         r_labels = names + ["rank"]
         rank_up = GaugeMetricFamily("orch_rank_up", "1 while the rank's process runs, 0 once it ended",
                                     labels=r_labels)

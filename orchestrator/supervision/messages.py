@@ -192,6 +192,24 @@ class AttemptMessages:
                         "message": f"node lost: the agent on {self._host(node_rank)} (node {node_rank}) "
                                    "went away (its link closed)"})
 
+    def _on_gpu_fault(self, node_rank: int, msg: dict) -> None:
+        """A GPU of the node reported an Xid that is a fault of the GPU, or a double-bit ECC error (``agents.gpu``):
+        the attempt fails with cause ``gpu_fault`` naming node and GPU (a restart policy that leaves failed nodes
+        out leaves this one out, as for ``node_lost``: supervision/restarts.py)."""
+        host = self._host(node_rank)
+        self._event("gpu_fault", {"node_rank": node_rank, "host": host,
+                                  **{k: msg.get(k) for k in ("gpu", "gpu_index", "xid", "ecc", "ranks")}})
+        if not self._open():
+            return
+        if isinstance(msg.get("at"), (int, float)):
+            self.services.metrics.failure_detected("gpu_fault", time.time() - msg["at"])
+        ranks = msg.get("ranks") or []
+        self._fail({"kind": "gpu_fault", "node": host, "node_rank": node_rank, "gpu": msg.get("gpu"),
+                    "gpu_index": msg.get("gpu_index"), "xid": msg.get("xid"), "ecc": msg.get("ecc"), "ranks": ranks,
+                    "message": f"GPU fault on {host} (node {node_rank}): GPU {msg.get('gpu_index')} "
+                               f"({msg.get('gpu')}) reported {msg.get('what') or 'a fault'}"
+                               f"{f'; rank(s) {ranks} ran on it' if ranks else ''}"})
+
     def _on_dumped(self, node_rank: int, msg: dict) -> None:
         self.progress.dumped(node_rank, msg)
         self._stacks_answered(node_rank, msg)
@@ -232,6 +250,7 @@ class AttemptMessages:
         "error": (_on_error, False),
         "eof": (_on_eof, True),
         "dumped": (_on_dumped, False),
+        "gpu_fault": (_on_gpu_fault, False),
         "heartbeat": (_on_heartbeat, False),
         "warning": (_on_warning, False),
         "checkpoint_files": (_on_checkpoint_files, True),

@@ -17,7 +17,17 @@ from ..spec import JobSpec
 from ..spec.restart import CONTROLLER_CAUSES, CONTROLLER_RESTARTS
 from ..store import JobState, Store
 
-__all__ = ["Restarts"]
+__all__ = ["Restarts", "NODE_CAUSES"]
+
+#: Causes that are a node's, not the job's: ``exclude_failed_nodes`` leaves the node out of the restart. A
+#: ``gpu_fault`` (a GPU of the node reported a fatal Xid or a double-bit ECC error, agents/gpu.py) is a node
+#: lost to its hardware: restarted when the policy retries ``node_lost`` (``retry_on`` lists no gpu_fault).
+NODE_CAUSES = ("node_lost", "gpu_fault")
+
+
+def _as_policy_sees(cause: dict) -> dict:
+    """The cause as ``RestartPolicy.retries`` takes it: a ``gpu_fault`` as the ``node_lost`` it amounts to."""
+    return {**cause, "kind": "node_lost"} if cause.get("kind") == "gpu_fault" else cause
 
 
 class Restarts:
@@ -72,7 +82,7 @@ class Restarts:
                     return False
                 delay = min(policy.backoff(0), 5.0)
             else:
-                if policy.max_restarts == 0 or not policy.retries(cause):
+                if policy.max_restarts == 0 or not policy.retries(_as_policy_sees(cause)):
                     return False
                 if done >= policy.max_restarts:
                     self.store.add_event(job.id, job.attempt, "warning", {
@@ -80,7 +90,7 @@ class Restarts:
                     return False
                 delay = policy.backoff(done)
             exclude = (cause.get("nodes") or [cause["node"]]) if policy.exclude_failed_nodes \
-                and cause.get("kind") == "node_lost" and cause.get("node") else []
+                and cause.get("kind") in NODE_CAUSES and cause.get("node") else []
             self.store.add_event(job.id, job.attempt, "restart_scheduled", {
                 "restart": len(scheduled) + 1, "max_restarts": policy.max_restarts, "in_seconds": delay,
                 "exclude_hosts": exclude, "cause_kind": cause.get("kind"),
