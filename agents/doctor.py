@@ -20,9 +20,16 @@ preflight's) with a ``doctor_result`` of the same ``phase``:
 ``unlisten`` (node 0, at once)
     the listener closes, so the all-reduce's rendezvous can take the port.
 ``allreduce`` (on a thread)
-    ``{"status", "detail", "result": {"seconds", "bytes", "iters", "algbw", "busbw", "correct"}}``: a short
-    gloo all-reduce among every node (rank = node rank) through the master port, run by the spec's Python
-    with the interface the ranks' collectives would use; ``busbw`` is ``algbw * 2 (n - 1) / n`` in bytes/s.
+    ``{"status", "detail", "result": {"seconds", "bytes", "iters", "algbw", "busbw", "correct", "backend",
+    "device", "links", "rounds", "rounds_done", "links_error"?}}``: a short all-reduce among every node
+    (rank = node rank) through the master port, run by the spec's Python with the interface the ranks'
+    collectives would use, with ``backend`` (``gloo`` on CPU tensors; ``nccl`` on the GPU the node's first
+    rank would use, :func:`device_index`); ``busbw`` is ``algbw * 2 (n - 1) / n`` in bytes/s. Then, in the
+    same process group, the link tests of the request's ``rounds`` (lists of disjoint ``[a, b]`` pairs, one
+    round at a time): this node and its partner of the round send each other ``pair_bytes`` at once, a
+    warm-up then ``pair_iters`` timed; ``links`` is ``[{"peer", "seconds", "bytes", "gbps", "correct"}]``
+    (``gbps``: 10^9 bytes/s each way). ``links_error`` says why fewer than every round finished (killed at
+    ``timeout_s``, or the script failed); what was measured until then is kept.
 ``clock`` (at once)
     ``{"at": node_clock(env)}``: read the moment the request is taken, so the controller can weigh
     it against the round trip.
@@ -42,7 +49,7 @@ from typing import Any, Callable, Mapping
 
 from .ranks import _die_with_parent
 
-__all__ = ["NodeDoctor", "node_clock", "run_in_thread", "CLOCK_OFFSET_ENV"]
+__all__ = ["NodeDoctor", "node_clock", "device_index", "run_in_thread", "CLOCK_OFFSET_ENV"]
 
 #: Test seam: seconds added to this node's clock as :func:`node_clock` reads it (from the node's environment,
 #: e.g. one host's sshd ``SetEnv``, or the spec's ``env``). Never set it outside tests.
@@ -77,33 +84,96 @@ try:
     out["accelerator"] = get_accelerator().device_name()
 except BaseException as e:
     out["errors"].append("cannot import deepspeed: %s: %s" % (type(e).__name__, e))
+if "deepspeed" in out:
+    try:  # as ds_report's op report: installed prebuilt, compatible (may build here); nothing is built
+        from deepspeed.ops.op_builder.all_ops import ALL_OPS
+        try:
+            from deepspeed.git_version_info import installed_ops, accelerator_name
+        except BaseException:
+            installed_ops, accelerator_name = {}, None
+        try:
+            from deepspeed.ops.op_builder.builder import probe_is_compatible
+        except ImportError:
+            probe_is_compatible = lambda builder, verbose: builder.is_compatible(verbose)
+        here = getattr(get_accelerator(), "_name", None)
+        ops = {}
+        for name in sorted(ALL_OPS):
+            try:
+                ok = bool(probe_is_compatible(ALL_OPS[name], False))
+            except BaseException:
+                ok = False
+            ops[name] = {"installed": bool(installed_ops.get(name)) and accelerator_name == here, "compatible": ok}
+        out["ops"] = ops
+    except BaseException as e:
+        out["ops_error"] = "cannot list DeepSpeed's ops: %s: %s" % (type(e).__name__, e)
 sys.stdout.flush()
 sys.stdout.write("\n" + "@@MARK@@" + json.dumps(out) + "\n")
 """.replace("@@MARK@@", _MARK)
 
 
-# The all-reduce, run by the spec's Python: argv [addr, port, rank, world, bytes, iters, timeout_s].
-_ALLREDUCE = r"""
+# The all-reduce, then the link tests, run by the spec's Python: argv [a JSON object: addr, port, rank, world, bytes,
+# iters, timeout, backend, device, rounds, pair_bytes, pair_iters]. It prints its result after the all-reduce and
+# again after every round of link tests, so what it measured comes back even if a later round hangs and is killed.
+_COLLECTIVES = r"""
 import datetime, json, sys, time
 import torch
 import torch.distributed as dist
-addr, port, rank, world, nbytes, iters, timeout = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), \
-    int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]), float(sys.argv[7])
-dist.init_process_group("gloo", init_method="tcp://%s:%d" % (addr, port), rank=rank, world_size=world,
-                        timeout=datetime.timedelta(seconds=timeout))
-x = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
+c = json.loads(sys.argv[1])
+rank, world = c["rank"], c["world"]
+dev = torch.device("cpu")
+if c["backend"] == "nccl":
+    dev = torch.device("cuda", c["device"])
+    torch.cuda.set_device(dev)
+def sync():
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+def say(out):
+    sys.stdout.write("\n@@MARK@@" + json.dumps(out) + "\n")
+    sys.stdout.flush()
+def fence():
+    dist.all_reduce(torch.zeros(1, device=dev))
+    sync()
+dist.init_process_group(c["backend"], init_method="tcp://%s:%d" % (c["addr"], c["port"]), rank=rank,
+                        world_size=world, timeout=datetime.timedelta(seconds=c["timeout"]))
+x = torch.ones(max(1, c["bytes"] // 4), dtype=torch.float32, device=dev)
 dist.all_reduce(x)
-dist.barrier()
+fence()
 started = time.perf_counter()
-for _ in range(iters):
+for _ in range(c["iters"]):
     x.fill_(1.0)
     dist.all_reduce(x)
-seconds = (time.perf_counter() - started) / iters
-dist.destroy_process_group()
+sync()
+seconds = (time.perf_counter() - started) / c["iters"]
 algbw = x.numel() * 4 / seconds
-out = {"seconds": seconds, "bytes": x.numel() * 4, "iters": iters, "algbw": algbw,
-       "busbw": algbw * 2 * (world - 1) / world, "correct": float(x[0]) == float(world)}
-sys.stdout.write("\n@@MARK@@" + json.dumps(out) + "\n")
+out = {"backend": c["backend"], "device": str(dev), "seconds": seconds, "bytes": x.numel() * 4,
+       "iters": c["iters"], "algbw": algbw, "busbw": algbw * 2 * (world - 1) / world,
+       "correct": float(x[0].item()) == float(world), "links": [], "rounds": len(c["rounds"]), "rounds_done": 0}
+say(out)
+mine = torch.full((max(1, c["pair_bytes"] // 4),), float(rank + 1), dtype=torch.float32, device=dev)
+theirs = torch.zeros_like(mine)
+def exchange(peer):
+    ops = [dist.P2POp(dist.isend, mine, peer), dist.P2POp(dist.irecv, theirs, peer)]
+    for req in dist.batch_isend_irecv(ops):
+        req.wait()
+for i, pairs in enumerate(c["rounds"]):
+    peer = None
+    for a, b in pairs:
+        if rank in (a, b):
+            peer = b if rank == a else a
+    if peer is not None:
+        exchange(peer)
+        sync()
+        started = time.perf_counter()
+        for _ in range(c["pair_iters"]):
+            exchange(peer)
+        sync()
+        s = (time.perf_counter() - started) / c["pair_iters"]
+        out["links"].append({"peer": peer, "seconds": s, "bytes": mine.numel() * 4,
+                             "gbps": mine.numel() * 4 / s / 1e9, "correct": float(theirs[0].item()) == peer + 1.0})
+    fence()
+    out["rounds_done"] = i + 1
+    say(out)
+dist.destroy_process_group()
 """.replace("@@MARK@@", _MARK)
 
 
@@ -141,6 +211,17 @@ def _available_memory() -> int | None:
     except (OSError, ValueError, IndexError):
         pass
     return None
+
+
+def device_index(env: Mapping[str, str], slot: int) -> int:
+    """The CUDA device (torch's index under ``env``) the node's first rank would use: ``cuda:LOCAL_RANK`` where its
+    environment sets ``LOCAL_RANK`` (DeepSpeed's launcher sets it with ``CUDA_VISIBLE_DEVICES`` = the node's
+    slots), else the first slot ``slot`` (a position in the node's ``CUDA_VISIBLE_DEVICES``, or a device index
+    where that is unset: :mod:`agents.devices`)."""
+    try:
+        return max(0, int(env["LOCAL_RANK"]))
+    except (KeyError, ValueError):
+        return slot
 
 
 class NodeDoctor:
@@ -208,7 +289,7 @@ class NodeDoctor:
         found, why, timed_out = self._run_script([python, "-c", _PROBE], self.env, timeout, cwd=cwd, lines=3)
         if timed_out:
             return {"errors": [f"python {python} did not import torch and deepspeed within {timeout:g} s"]}
-        return {"errors": [why]} if why else found
+        return found if found else {"errors": [why]}
 
     def _kill_probe(self) -> None:
         with self._lock:
@@ -266,25 +347,36 @@ class NodeDoctor:
     # -- the all-reduce -----------------------------------------------------------------------
 
     def _allreduce(self, msg: dict[str, Any]) -> dict[str, Any]:
-        """A short gloo all-reduce among every node (rank = node rank; node 0 hosts the rendezvous on the
-        master port, its listener closed first), with the interface the ranks' collectives would use."""
+        """The all-reduce among every node (rank = node rank; node 0 hosts the rendezvous on the master port, its
+        listener closed first), then the link tests of ``rounds``, with ``backend`` (``nccl``: on the node's
+        first slot's GPU) and the interface the ranks' collectives would use. Killed at ``timeout_s``; the
+        collectives' own timeout is 0.8 of it, so a hung peer ends as an error rather than a kill."""
         from . import network
         env = dict(self.env)
         for key, value in network.choose(env, msg.get("master")).sets.items():
             env.setdefault(key, value)
         timeout = float(msg.get("timeout_s") or 30.0)
-        argv = [str(msg.get("python") or "python3"), "-c", _ALLREDUCE, str(msg.get("addr")), str(msg.get("port")),
-                str(msg.get("rank")), str(msg.get("world")), str(msg.get("bytes") or 1 << 22),
-                str(msg.get("iters") or 5), str(timeout)]
-        found, why, _ = self._run_script(argv, env, timeout + 5.0)
-        if why:
-            return {"status": "failed", "detail": f"the all-reduce failed: {why}"}
+        backend = str(msg.get("backend") or "gloo")
+        config = {"addr": str(msg.get("addr")), "port": int(msg.get("port") or 0), "rank": int(msg.get("rank") or 0),
+                  "world": int(msg.get("world") or 1), "bytes": int(msg.get("bytes") or 1 << 22),
+                  "iters": int(msg.get("iters") or 5), "timeout": max(1.0, timeout * 0.8), "backend": backend,
+                  "device": device_index(env, int(msg.get("slot") or 0)), "rounds": list(msg.get("rounds") or []),
+                  "pair_bytes": int(msg.get("pair_bytes") or 1 << 22), "pair_iters": int(msg.get("pair_iters") or 3)}
+        argv = [str(msg.get("python") or "python3"), "-c", _COLLECTIVES, json.dumps(config)]
+        found, why, timed_out = self._run_script(argv, env, timeout, lines=3)
+        if not found:
+            return {"status": "failed", "detail": f"the all-reduce ({backend}) failed: {why}"}
+        if found.get("rounds_done", 0) < len(config["rounds"]):
+            done = f"after {found.get('rounds_done', 0)} of {len(config['rounds'])} rounds"
+            found["links_error"] = (f"the link tests did not finish within {timeout:g} s ({done})" if timed_out
+                                    else f"the link tests stopped {done}: {why or 'no reason given'}")
         return {"status": "passed", "detail": "", "result": found}
 
     def _run_script(self, argv: list[str], env: dict[str, str], timeout: float, cwd: str = "/",
                     lines: int = 2) -> tuple[dict[str, Any], str, bool]:
-        """``(what the script printed after the mark, "", False)``, or ``({}, why it did not, timed out)``: killed
-        at ``timeout`` seconds; ``why`` ends with the last ``lines`` lines of its standard error."""
+        """``(what the script printed last after the mark, why it failed, timed out)``: killed at ``timeout``
+        seconds. ``found`` is ``{}`` when it printed nothing marked; ``why`` is ``""`` when it exited 0 after
+        printing, else says how it ended, with the last ``lines`` lines of its standard error."""
         try:
             with self._lock:
                 if self._closed:
@@ -294,25 +386,32 @@ class NodeDoctor:
                                                       start_new_session=True, preexec_fn=_die_with_parent)
         except OSError as err:
             return {}, f"python {argv[0]} cannot be run: {err.strerror or err}", False
+        timed_out = False
         try:
             out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
             self._kill_probe()
-            proc.communicate()
-            return {}, f"no result within {timeout:g} s", True
+            out, err = proc.communicate()
+            timed_out = True
         finally:
             with self._lock:
                 self._probe = None
+        found: dict[str, Any] = {}
         for line in reversed(out.decode("utf-8", "replace").splitlines()):
             if line.startswith(_MARK):
                 try:
-                    return json.loads(line[len(_MARK):]), "", False
+                    found = json.loads(line[len(_MARK):])
                 except ValueError:
-                    break
+                    pass
+                break
+        if timed_out:
+            return found, f"no result within {timeout:g} s", True
+        if found and proc.returncode == 0:
+            return found, "", False
         tail = " ".join(err.decode("utf-8", "replace").strip().splitlines()[-lines:])[-100 * (lines + 1):]
         how = (f"exited with status {proc.returncode}" if proc.returncode >= 0
                else f"was killed by {signal.Signals(-proc.returncode).name}")
-        return {}, f"python {argv[0]} {how}{': ' + tail if tail else ''}", False
+        return found, f"python {argv[0]} {how}{': ' + tail if tail else ''}", False
 
     def _unlisten(self) -> None:
         with self._lock:

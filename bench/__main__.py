@@ -105,6 +105,16 @@ def _commit() -> str:
         return "unknown"
 
 
+def label_output(body: str, command: str) -> str:
+    """A section's output with each of its blocks (blank-line separated) headed by ``From `command`:``.
+
+    Every paragraph of the page that states a figure names the command that measured it
+    (tests/test_doc_claims.py). ``command`` is e.g. ``python bench/launch_ssh.py --rounds 5``.
+    """
+    blocks = [b.strip("\n") for b in body.split("\n\n") if b.strip()]
+    return "\n\n".join(f"From `{command}`:\n{b}" for b in blocks)
+
+
 def run_section(section: Section, quick: bool, timeout: float) -> tuple[str, bool]:
     """Run one section; returns (its markdown, whether it ran to the end)."""
     args = section.quick if quick else section.full
@@ -131,7 +141,8 @@ def run_section(section: Section, quick: bool, timeout: float) -> tuple[str, boo
         tail = "\n".join((err or "").strip().splitlines()[-15:])
         return "\n".join(head + [f"**Failed** (exit {code}, after {took:.0f} s):", "", "```", body[-3000:], tail,
                                  "```", ""]), False
-    return "\n".join(head + [body, "", f"({took:.0f} s)", ""]), True
+    run = " ".join(command)
+    return "\n".join(head + [label_output(body, run), "", f"(`{run}` took {took:.0f} s)", ""]), True
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,7 +21,8 @@ import pytest
 import psutil
 
 from conftest import SCRIPTS, wait_for
-from orchestrator.supervision.doctor_verdict import DOCTOR_CHECKS, Limits, NodeAnswers, clock_offset, judge
+from orchestrator.supervision.doctor_verdict import (DOCTOR_CHECKS, Limits, NodeAnswers, clock_offset, judge,
+                                                      pair_rounds)
 
 TWO_NODES = "node-0 slots=1\nnode-1 slots=1\n"
 NO_DEEPSPEED = '''import sys
@@ -40,21 +41,34 @@ sys.meta_path.insert(0, _NoDeepSpeed())
 '''
 
 
+OPS = {"async_io": {"installed": False, "compatible": True}, "cpu_adam": {"installed": True, "compatible": True},
+       "fused_adam": {"installed": False, "compatible": False}}
+
+
 def _report(**over: Any) -> dict:
     r = {"errors": [], "python": "3.11.7", "torch": "2.13.0", "cuda": None, "deepspeed": "0.19.8",
-         "accelerator": "cpu", "gpus": 0, "memory": 8 << 30, "clock": 0.0,
+         "accelerator": "cpu", "gpus": 0, "memory": 8 << 30, "clock": 0.0, "ops": OPS,
          "disk": {"workdir": {"path": "/w", "free": 8 << 30}, "checkpoint_dir": {"path": "/c", "free": 8 << 30}}}
     r.update(over)
     return r
 
 
-def _answers(n: int, **per_node: dict) -> list[NodeAnswers]:
+def _links(i: int, n: int, gbps: dict[tuple[int, int], float]) -> list[dict]:
+    """Node i's link results: every pair of pair_rounds(n) with i, at gbps[(a, b)] (default 2.0 + a + b / 10)."""
+    pairs = [tuple(p) for rnd in pair_rounds(n)[0] for p in rnd if i in p]
+    return [{"peer": b if a == i else a, "gbps": gbps.get((a, b), 2.0 + a + b / 10), "seconds": 0.002,
+             "bytes": 4 << 20, "correct": True} for a, b in pairs]
+
+
+def _answers(n: int, gbps: dict[tuple[int, int], float] | None = None, **per_node: dict) -> list[NodeAnswers]:
     out = []
     for i in range(n):
         a = NodeAnswers(i, f"h{i}", report=_report(), clock=(100.0, 100.2, 100.1),
                         port={"status": "passed", "detail": "ok"},
-                        allreduce={"status": "passed", "result": {"busbw": 1e9 - i, "bytes": 4 << 20, "seconds": 0.01,
-                                                                  "iters": 5, "correct": True}})
+                        allreduce={"status": "passed", "result": {
+                            "busbw": 1e9 - i, "bytes": 4 << 20, "seconds": 0.01, "iters": 5, "correct": True,
+                            "backend": "gloo", "links": _links(i, n, gbps or {}), "rounds": len(pair_rounds(n)[0]),
+                            "rounds_done": len(pair_rounds(n)[0])}})
         for key, value in per_node.get(f"h{i}", {}).items():
             setattr(a, key, value)
         out.append(a)
@@ -116,6 +130,61 @@ def test_verdict_clock_skew_counts_the_round_trip() -> None:
         "3.010 s behind the controller's clock (±0.010 s): more than 2 s")
 
 
+def test_pair_rounds_test_every_pair_once_in_disjoint_rounds_and_ring_neighbours_above_16() -> None:
+    assert pair_rounds(1) == ([], "no links (one node)")
+    for n, rounds in ((2, 1), (3, 3), (4, 3), (5, 5), (16, 15), (17, 3), (18, 2)):
+        schedule, scope = pair_rounds(n)
+        pairs = [tuple(p) for rnd in schedule for p in rnd]
+        assert len(schedule) == rounds and len(pairs) == len(set(pairs)), n
+        for rnd in schedule:
+            ends = [x for p in rnd for x in p]
+            assert len(ends) == len(set(ends)), (n, rnd)  # a node is in one pair of a round at most
+        if n <= 16:
+            assert scope == "all pairs" and set(pairs) == {(a, b) for a in range(n) for b in range(a + 1, n)}
+        else:
+            assert scope == f"ring neighbours only (i <-> i+1 mod {n}): more than 16 nodes"
+            assert set(pairs) == {tuple(sorted((i, (i + 1) % n))) for i in range(n)}
+
+
+def test_verdict_names_the_slowest_link_and_fails_links_under_the_minimum_naming_both_nodes() -> None:
+    verdict = judge(_answers(3, gbps={(0, 2): 0.5}), Limits())
+    assert verdict["passed"] is True and verdict["backend"] == "gloo" and verdict["links_scope"] == "all pairs"
+    assert [(x["a"], x["b"], x["gbps"]) for x in verdict["links"]] == [
+        ("h0", "h1", 2.1), ("h0", "h2", 0.5), ("h1", "h2", 3.2)]
+    assert verdict["slowest_link"] == {"a": "h0", "b": "h2", "gbps": 0.5}
+    links = {n["host"]: next(c for c in n["checks"] if c["name"] == "links") for n in verdict["nodes"]}
+    assert links["h0"]["detail"] == "2 link(s), slowest h0 <-> h2 0.5 GB/s; the slowest link of 3"
+    assert links["h1"]["detail"] == "2 link(s), slowest h0 <-> h1 2.1 GB/s"
+    failed = judge(_answers(3, gbps={(0, 2): 0.5}), Limits(min_link_gbps=1.0))
+    assert _failed(failed) == {("h0", "links"), ("h2", "links")}
+    assert {f["message"] for f in failed["failures"]} == {"h0 <-> h2 0.5 GB/s, under the minimum 1 GB/s"}
+    # node 1's link tests stopped (killed at the deadline): its links were not measured, named on both ends
+    answers = _answers(3)
+    answers[1].allreduce["result"].update(links=[], rounds_done=0,
+                                          links_error="the link tests did not finish within 36 s (after 0 of 3 rounds)")
+    for a in (answers[0], answers[2]):
+        a.allreduce["result"]["links"] = [x for x in a.allreduce["result"]["links"] if x["peer"] != 1]
+    stopped = judge(answers, Limits())
+    assert _failed(stopped) == {("h0", "links"), ("h1", "links"), ("h2", "links")}
+    h1 = next(f for f in stopped["failures"] if f["node"] == "h1")["message"]
+    assert h1.startswith("h0 <-> h1 not measured: the link tests did not finish within 36 s")
+    assert [x["gbps"] for x in stopped["links"]] == [None, 2.2, None]
+
+
+def test_verdict_ops_difference_is_a_warning_naming_the_ops() -> None:
+    lacking = {**OPS, "async_io": {"installed": False, "compatible": False}}
+    verdict = judge(_answers(3, h1={"report": _report(ops=lacking)}), Limits())
+    assert verdict["passed"] is True and verdict["failures"] == []
+    assert [(w["node"], w["check"]) for w in verdict["warnings"]] == [("h1", "ops")]
+    assert verdict["warnings"][0]["message"] == (
+        "not compatible here but on 2 of 3 nodes: async_io (3 ops, 1 compatible, 1 installed prebuilt)")
+    ops = next(c for c in verdict["nodes"][0]["checks"] if c["name"] == "ops")
+    assert ops == {"name": "ops", "status": "passed", "detail": "3 ops, 2 compatible, 1 installed prebuilt; "
+                                                               "not compatible: fused_adam (as on 2 of 3 nodes)"}
+    no_ds = judge(_answers(2, h1={"report": _report(ops=None, deepspeed=None)}), Limits())
+    assert next(c for c in no_ds["nodes"][1]["checks"] if c["name"] == "ops")["status"] == "skipped"
+
+
 def test_verdict_nodes_that_did_not_answer_are_named() -> None:
     answers = _answers(3, h1={"down": "its agent could not be started: refused"},
                        h2={"report": None, "clock": None, "port": None})
@@ -136,8 +205,13 @@ def test_local_two_nodes_pass_with_json(orch, hostfile) -> None:
     r = orch("doctor", str(hostfile(TWO_NODES)), "--output", "json", timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
     out = json.loads(r.stdout)
-    assert set(out) == {"nodes", "checks", "failures", "passed"}
-    assert out["passed"] is True and out["failures"] == []
+    assert set(out) == {"nodes", "checks", "failures", "warnings", "backend", "links", "links_scope", "slowest_link",
+                        "passed"}
+    assert out["passed"] is True and out["failures"] == [] and out["warnings"] == []
+    assert out["backend"] == "gloo" and out["links_scope"] == "all pairs"
+    (link,) = out["links"]
+    assert (link["a"], link["b"], link["correct"]) == ("node-0", "node-1", True) and link["gbps"] > 0
+    assert out["slowest_link"] == {"a": "node-0", "b": "node-1", "gbps": link["gbps"]}
     assert [n["host"] for n in out["nodes"]] == ["node-0", "node-1"]
     assert out["checks"] == list(DOCTOR_CHECKS)
     for node in out["nodes"]:
@@ -145,13 +219,18 @@ def test_local_two_nodes_pass_with_json(orch, hostfile) -> None:
         assert by_name["entrypoint"] == {"name": "entrypoint", "status": "skipped",
                                          "detail": "a hostfile alone names no entrypoint"}
         for name in ("agent", "python", "workdir", "checkpoint_dir", "network", "environment", "versions", "gpus",
-                     "disk", "memory", "clock", "master_port_reachable", "shared_checkpoint_dir", "allreduce"):
+                     "disk", "memory", "clock", "master_port_reachable", "shared_checkpoint_dir", "allreduce", "links",
+                     "ops"):
             assert by_name[name]["status"] == "passed", (node["host"], by_name[name])
+        assert by_name["links"]["detail"].startswith("1 link(s), slowest node-0 <-> node-1 ")
+        assert by_name["ops"]["detail"].endswith("(the same on all 2 nodes)")
         report = node["report"]
         import deepspeed
         import torch
         assert (report["torch"], report["deepspeed"], report["accelerator"]) == \
             (torch.__version__, deepspeed.__version__, "cpu")
+        from deepspeed.ops.op_builder.all_ops import ALL_OPS
+        assert set(report["ops"]) == set(ALL_OPS) and report["ops"]["cpu_adam"]["compatible"] is True
     port = [next(c for c in n["checks"] if c["name"] == "master_port_reachable")["detail"] for n in out["nodes"]]
     assert port[0].startswith("listening on the master port ") and port[1].startswith("reached the master port ")
     allreduce = [next(c for c in n["checks"] if c["name"] == "allreduce")["detail"] for n in out["nodes"]]
@@ -165,13 +244,18 @@ def test_local_two_nodes_pass_with_json(orch, hostfile) -> None:
 def test_local_table_and_skewed_clocks(orch, hostfile, write_spec) -> None:
     spec = write_spec(hostfile=str(hostfile(TWO_NODES)), entrypoint=str(SCRIPTS / "worker.py"),
                       env={"ORCH_DOCTOR_CLOCK_OFFSET_S": "-10"})  # the seam, through the spec's env to every node
-    r = orch("doctor", str(spec), "--max-skew", "3", timeout=120)
+    r = orch("doctor", str(spec), "--max-skew", "3", "--min-bandwidth", "1e6", timeout=120)
     assert r.returncode == 1, r.stdout + r.stderr
     assert "orch doctor: 2 node(s) through the local provisioner" in r.stdout
     for host, rank in (("node-0", 0), ("node-1", 1)):
         assert f"FAILED {host} (node {rank}) clock: " in r.stdout
+        # no link carries 10^6 GB/s: the one link fails on both its nodes, naming both
+        assert f"FAILED {host} (node {rank}) links: node-0 <-> node-1 " in r.stdout
+    assert r.stdout.count(" GB/s, under the minimum 1e+06 GB/s") == 2
     assert "behind the controller's clock" in r.stdout and ": more than 3 s" in r.stdout
-    assert "2 check(s) failed" in r.stdout
+    assert "all-reduce and link tests: gloo" in r.stdout
+    assert "links (all pairs): node-0 <-> node-1 " in r.stdout and "slowest link: node-0 <-> node-1 (" in r.stdout
+    assert "4 check(s) failed" in r.stdout
 
 
 @pytest.mark.integration
@@ -227,6 +311,16 @@ def test_ssh_three_hosts_pass_then_each_fault_is_named(orch, net3, write_spec, h
     assert r.returncode == 0 and out["passed"] is True, out["failures"]
     assert _checks(out)[(net3.names[0], "deepspeed")]["status"] == "passed"
     assert sum(_checks(out)[(h, "allreduce")]["detail"].endswith("; the slowest of 3 nodes") for h in net3.names) == 1
+    # every pair of the 3 hosts tested (3 rounds of one pair), the slowest link named, and the op check on each
+    assert out["backend"] == "gloo" and out["links_scope"] == "all pairs"
+    assert {(x["a"], x["b"]) for x in out["links"]} == {(a, b) for i, a in enumerate(net3.names)
+                                                          for b in net3.names[i + 1:]}
+    assert all(x["gbps"] > 0 and x["correct"] for x in out["links"]), out["links"]
+    low = out["slowest_link"]
+    assert low["gbps"] == min(x["gbps"] for x in out["links"])
+    assert sum(_checks(out)[(h, "links")]["detail"].endswith("; the slowest link of 3") for h in net3.names) >= 1
+    assert all(_checks(out)[(h, "links")]["detail"].startswith("2 link(s), slowest ") for h in net3.names)
+    assert all(_checks(out)[(h, "ops")]["status"] == "passed" for h in net3.names)
 
     site = tmp_path / "no-deepspeed"
     site.mkdir()
@@ -259,6 +353,10 @@ def test_ssh_three_hosts_pass_then_each_fault_is_named(orch, net3, write_spec, h
     assert checks[(h1, "master_port_reachable")]["status"] == "passed"
     assert checks[(h0, "allreduce")] == {"name": "allreduce", "status": "skipped",
                                          "detail": f"not every node reached the master port ({h2})"}
+    assert checks[(h0, "links")]["detail"] == f"not every node reached the master port ({h2})"
+    assert out["links"][0]["gbps"] is None and out["slowest_link"] is None and out["backend"] is None
+    # the host lacking DeepSpeed reports no ops; the two others do
+    assert checks[(h0, "ops")]["status"] == "skipped" and checks[(h1, "ops")]["status"] == "passed"
     assert_no_leftovers(timeout=10)
 
 
@@ -269,12 +367,12 @@ def test_ssh_host_that_cannot_be_reached_is_named_within_the_timeout(orch, net3,
     h2 = net3.names[2]
     net3.cut_link(2)
     try:
-        r = orch("doctor", str(spec), "-o", "json", "--timeout", "12", timeout=120)
+        r = orch("doctor", str(spec), "-o", "json", "--timeout", "20", timeout=120)
     finally:
         net3.reset()
     out = json.loads(r.stdout)
     assert r.returncode == 1, r.stdout + r.stderr
-    assert {(f["node"], f["check"]) for f in out["failures"]} == {(h2, "agent")}
+    assert {(f["node"], f["check"]) for f in out["failures"]} == {(h2, "agent")}, [f["text"] for f in out["failures"]]
     agent = _checks(out)[(h2, "agent")]["detail"]
     assert agent.startswith("its agent could not be started: ") and h2 in agent, agent
     assert _checks(out)[(net3.names[0], "allreduce")]["detail"] == f"not every node reached the master port ({h2})"

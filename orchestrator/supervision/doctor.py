@@ -10,7 +10,10 @@ awaited), then, over the same links as an attempt's:
 2. node 0 listens on the master port (``listen``);
 3. every other node connects to it (``connect``), and every node reads its clock (``clock``);
 4. when every node reached the master port: node 0 closes its listener (``unlisten``) and every node
-   runs a short gloo all-reduce through the master port (``allreduce``), reporting its bus bandwidth.
+   runs a short all-reduce through the master port (``allreduce``; ``nccl`` on GPUs where every node's
+   accelerator is ``cuda``, else ``gloo``), reporting its bus bandwidth, then the link tests in the same
+   process group: every pair of nodes (ring neighbours only above 16 nodes) in rounds of disjoint pairs,
+   each pair exchanging a buffer both ways, reporting GB/s per pair.
 
 Every phase has the deadline ``timeout_s``: a node that has not answered by then fails that check,
 named. The agents are then closed (end of stream: they exit), killed if they linger, and swept.
@@ -27,21 +30,24 @@ import queue
 import shutil
 import threading
 import time
+from dataclasses import replace
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 from ..planning import JobPlan
 from ..provisioners import AgentHandle, Provisioner
 from ..spec import JobSpec
-from .doctor_verdict import Limits, NodeAnswers, judge
+from .doctor_verdict import Limits, NodeAnswers, judge, pair_rounds
 from .preflight import PreflightRound
 from .prepare import rank_python
 from .provisioning import await_hellos, start_agents
 
-__all__ = ["DoctorRun", "CONNECT_TIMEOUT_S", "ALLREDUCE_BYTES"]
+__all__ = ["DoctorRun", "CONNECT_TIMEOUT_S", "ALLREDUCE_BYTES", "PAIR_BYTES", "PAIR_ITERS", "collective_backend"]
 
 #: Bytes each node all-reduces (float32), 5 times after a warm-up.
 ALLREDUCE_BYTES = 4 << 20
+#: Bytes each node of a pair sends the other (and receives) in a link test, :data:`PAIR_ITERS` times after a warm-up.
+PAIR_BYTES, PAIR_ITERS = 4 << 20, 3
 #: Seconds a node has to connect to the master port (``connect``), within the phase's deadline.
 CONNECT_TIMEOUT_S = 5.0
 _HEARTBEAT_S, _LEASE_S = 0.5, 15.0
@@ -68,7 +74,7 @@ class DoctorRun:
         self.spec, self.plan, self.provisioner = spec, plan, provisioner
         self.timeout_s = timeout_s
         base = limits or Limits()
-        self.limits = Limits(base.max_skew_s, base.min_disk_bytes, base.min_memory_bytes, timeout_s)
+        self.limits = replace(base, timeout_s=timeout_s)
         self.skip = dict(skip or {})
         self._progress = progress
         self.events: "queue.Queue[tuple[int, dict]]" = queue.Queue()
@@ -83,6 +89,8 @@ class DoctorRun:
         self._unlistened = False
         #: why the all-reduce did not run (None: it ran, or the run has not got there)
         self.allreduce_skipped: str | None = None
+        #: the all-reduce's and link tests' backend (None: they did not run)
+        self.backend: str | None = None
 
     # -- the run ------------------------------------------------------------------------------
 
@@ -101,6 +109,7 @@ class DoctorRun:
         skip = dict(self.skip)
         if self.allreduce_skipped:
             skip.setdefault("allreduce", self.allreduce_skipped)
+            skip.setdefault("links", self.allreduce_skipped)
         return judge([self.answers[n.node_rank] for n in self.plan.nodes], self.limits, skip)
 
     def _start(self) -> None:
@@ -157,8 +166,9 @@ class DoctorRun:
             n == 0 or not listening or self.answers[n].port is not None) for n in up), up)
 
     def _allreduce(self, up: list[int]) -> None:
-        """Phase 4: a short gloo all-reduce among every node through the master port (node 0's listener
-        closed first); only when every node is up and reached the master port."""
+        """Phase 4: the all-reduce among every node through the master port (node 0's listener closed first), then
+        the link tests (:func:`.doctor_verdict.pair_rounds`); only when every node is up and reached the master
+        port. ``nccl`` on each node's first slot's GPU where every node's accelerator is ``cuda``, else ``gloo``."""
         blocked = [a for a in self.answers.values() if a.down is not None or a.port is None
                    or a.port.get("status") != "passed"]
         if blocked:
@@ -169,12 +179,16 @@ class DoctorRun:
         common = {"type": "doctor", "heartbeat_s": _HEARTBEAT_S, "lease_s": _LEASE_S}
         self.agents[0].send({**common, "phase": "unlisten"})
         self._wait(lambda: self._unlistened, [0])
-        self._show("all-reduce")
+        self.backend = collective_backend([self.answers[n].report for n in up])
+        self._show(f"all-reduce and link tests ({self.backend})")
+        rounds, _scope = pair_rounds(len(self.plan.nodes))
         for n in up:
             node = self.plan.nodes[n]
             self.agents[n].send({**common, "phase": "allreduce", "addr": addr, "port": port, "rank": n,
                                  "world": len(self.plan.nodes), "bytes": ALLREDUCE_BYTES, "iters": 5,
-                                 "timeout_s": self.timeout_s, "python": rank_python(self.spec),
+                                 "rounds": rounds, "pair_bytes": PAIR_BYTES, "pair_iters": PAIR_ITERS,
+                                 "backend": self.backend, "slot": node.slots[0] if node.slots else 0,
+                                 "timeout_s": round(self.timeout_s * 0.9, 3), "python": rank_python(self.spec),
                                  "master": node.to_dict().get("master")})
         self._wait(lambda: all(self.answers[n].allreduce is not None for n in up), up)
 
@@ -276,6 +290,12 @@ class DoctorRun:
             self.provisioner.close()
             if self.preflight is not None:
                 shutil.rmtree(self.preflight.shared_dir, ignore_errors=True)
+
+
+def collective_backend(reports: list[dict[str, Any] | None]) -> str:
+    """``nccl`` when every node's report names the ``cuda`` accelerator and at least one GPU, else ``gloo``."""
+    cuda = [bool(r) and r.get("accelerator") == "cuda" and int(r.get("gpus") or 0) > 0 for r in reports]
+    return "nccl" if cuda and all(cuda) else "gloo"
 
 
 def _diagnostics(handle: AgentHandle) -> str:

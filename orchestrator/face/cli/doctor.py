@@ -1,10 +1,12 @@
 """``orch doctor SPEC|HOSTFILE``: check every node of a job's plan before running it (its Python, torch,
-CUDA, NCCL and DeepSpeed, that they agree across nodes, GPUs, free disk and memory, clock skew, the
-master port reachable from every node, and the preflight checks), in parallel, through the agents the
-job's provisioner starts (:mod:`orchestrator.supervision.doctor`).
+CUDA, NCCL and DeepSpeed, that they agree across nodes, DeepSpeed's op compatibility, GPUs, free disk and
+memory, clock skew, the master port reachable from every node, an all-reduce and the links between pairs
+of nodes, and the preflight checks), in parallel, through the agents the job's provisioner starts
+(:mod:`orchestrator.supervision.doctor`).
 
 A table of node x check (with a live progress line while the nodes answer), or ``--output json``: one
-object ``{"nodes", "checks", "failures", "passed"}``. Exit status 0 when every check passed, 1 when
+object ``{"nodes", "checks", "failures", "warnings", "backend", "links", "links_scope", "slowest_link",
+"passed"}``. Exit status 0 when every check passed, 1 when
 any failed, 2 for bad input (a spec, hostfile or filter that cannot be used).
 
 Its options are parsed with every command's, so this module imports little at the top; the rest when
@@ -26,8 +28,10 @@ from .output import UsageError, console, err_console, print_json, printable
 
 __all__ = ["cmd_doctor", "doctor_options"]
 
-_STATUS_STYLE = {"passed": "green", "failed": "bold red", "skipped": "dim"}
-_MARK = {"passed": "ok", "failed": "FAIL", "skipped": "-"}
+_STATUS_STYLE = {"passed": "green", "failed": "bold red", "skipped": "dim", "warning": "yellow"}
+_MARK = {"passed": "ok", "failed": "FAIL", "skipped": "-", "warning": "warn"}
+#: The slowest links the table's summary lists (JSON has every one).
+_LINKS_SHOWN = 5
 
 
 def doctor_options(sp: argparse.ArgumentParser) -> None:
@@ -43,6 +47,9 @@ def doctor_options(sp: argparse.ArgumentParser) -> None:
                     "that has not answered by then fails, named (default 120)")
     sp.add_argument("--max-skew", type=_positive_seconds, default=2.0, metavar="SECONDS",
                     help="largest clock difference between a node and this machine (default 2)")
+    sp.add_argument("--min-bandwidth", type=_positive_gbps, default=None, metavar="GBPS",
+                    help="fail every link between two nodes that carries fewer GB/s (10^9 bytes/s each way) in the "
+                    "link tests, naming both nodes (default: none; the slowest link is named all the same)")
 
 
 def _positive_seconds(text: str) -> float:
@@ -52,6 +59,16 @@ def _positive_seconds(text: str) -> float:
         value = -1.0
     if not 0 < value < float("inf"):
         raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}")
+    return value
+
+
+def _positive_gbps(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a bandwidth in GB/s > 0, got {text!r}")
     return value
 
 
@@ -114,15 +131,16 @@ def cmd_doctor(args: argparse.Namespace) -> int:
                           f"master {plan.master_addr}:{plan.master_port}", markup=False, highlight=False)
         with err_console.status("starting agents", spinner="dots") if table and err_console.is_terminal \
                 else _Nothing() as status:
-            run = DoctorRun(spec, plan, provisioner, timeout_s=args.timeout, limits=Limits(max_skew_s=args.max_skew),
+            limits = Limits(max_skew_s=args.max_skew, min_link_gbps=args.min_bandwidth)
+            run = DoctorRun(spec, plan, provisioner, timeout_s=args.timeout, limits=limits,
                             skip=skip, progress=_progress_printer(status, table))
             verdict = run.run()
     finally:
         lease.release()
         _remove_run_dir(state_dir, job_id)
     if not table:
-        print_json({"nodes": verdict["nodes"], "checks": verdict["checks"], "failures": verdict["failures"],
-                    "passed": verdict["passed"]})
+        print_json({k: verdict[k] for k in ("nodes", "checks", "failures", "warnings", "backend", "links",
+                                            "links_scope", "slowest_link", "passed")})
     else:
         _print_table(verdict)
     return 0 if verdict["passed"] else 1
@@ -149,7 +167,7 @@ def _progress_printer(status: Any, table: bool) -> Any:
     def show(c: dict[str, Any]) -> None:
         line = (f"{c['phase']}: {c['up']}/{c['nodes']} agents up, preflight {c['preflight']}/{c['up']}, reports "
                 f"{c['reports']}/{c['up']}, master port {c['port']}, clocks {c['clock']}/{c['up']}, all-reduce "
-                f"{c['allreduce']}/{c['up']}")
+                f"{c['allreduce']}/{c['up']}")  # the all-reduce's answer carries the link tests
         status.update(line)
         if table and not err_console.is_terminal and c["phase"] not in said:
             said.add(c["phase"])
@@ -161,6 +179,24 @@ def _remove_run_dir(state_dir: Path, job_id: str) -> None:
     """The doctor's run directory (agent logs) goes with it: nothing of it is kept."""
     import shutil
     shutil.rmtree(state_dir / "jobs" / job_id, ignore_errors=True)
+
+
+def _print_links(verdict: dict[str, Any]) -> None:
+    """The all-reduce's backend, the links tested (which pairs) and the slowest few, the slowest named."""
+    if verdict.get("backend"):
+        console.print(f"all-reduce and link tests: {verdict['backend']}", markup=False, highlight=False)
+    measured = sorted((link for link in verdict.get("links") or [] if link.get("gbps") is not None),
+                      key=lambda link: link["gbps"])
+    if not measured:
+        return
+    shown = ", ".join(f"{link['a']} <-> {link['b']} {link['gbps']:.3g} GB/s" for link in measured[:_LINKS_SHOWN])
+    more = f" (the slowest {_LINKS_SHOWN} of {len(measured)})" if len(measured) > _LINKS_SHOWN else ""
+    console.print(printable(f"links ({verdict.get('links_scope')}): {shown}{more}"), markup=False, highlight=False,
+                  soft_wrap=True)
+    low = verdict.get("slowest_link")
+    if low:
+        console.print(printable(f"slowest link: {low['a']} <-> {low['b']} ({low['gbps']:.3g} GB/s)"), markup=False,
+                      highlight=False, soft_wrap=True)
 
 
 def _print_table(verdict: dict[str, Any]) -> None:
@@ -190,9 +226,14 @@ def _print_table(verdict: dict[str, Any]) -> None:
                                     f"deepspeed {env.get('deepspeed') or 'not found'}, accelerator "
                                     f"{env.get('accelerator') or 'unknown'}, {env.get('gpus') or 0} GPU(s) visible"),
                           markup=False, highlight=False, soft_wrap=True)
+    _print_links(verdict)
+    for w in verdict.get("warnings") or []:
+        console.print(Text(printable(f"WARNING {w['text']}"), style="yellow"), soft_wrap=True)
     for f in verdict["failures"]:
         console.print(Text(printable(f"FAILED {f['text']}"), style="red"), soft_wrap=True)
     passed = sum(1 for n in verdict["nodes"] for c in n["checks"] if c["status"] == "passed")
     words = "every check passed" if verdict["passed"] else f"{len(verdict['failures'])} check(s) failed"
+    if verdict.get("warnings"):
+        words += f", {len(verdict['warnings'])} warning(s)"
     console.print(Text(f"{words} ({passed} passed) on {len(verdict['nodes'])} node(s)",
                        style="green" if verdict["passed"] else "bold red"))
