@@ -198,6 +198,43 @@ def test_verdict_nodes_that_did_not_answer_are_named() -> None:
     assert h2["master_port_reachable"] == "no answer to the master port check within 7 s"
 
 
+# --------------------------------------------------------------------------- link tests (agents.doctor, no agent)
+
+@pytest.mark.integration
+def test_link_tests_killed_at_the_deadline_keep_what_they_measured() -> None:
+    """Three NodeDoctors (this machine's processes, loopback): round 1 tests 0 <-> 1; round 2 is a schedule no pair
+    can finish (node 0 is paired with both 1 and 2; it takes the last pair, 1 waits for it for ever), so every
+    node's script is killed at ``timeout_s``: the all-reduce and round 1's link come back, and the rest is named."""
+    import os
+    import socket
+    import sys
+    import threading
+
+    from agents.doctor import NodeDoctor
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    answers: dict[int, dict] = {}
+
+    def node(rank: int) -> None:
+        answers[rank] = NodeDoctor(dict(os.environ)).run({
+            "phase": "allreduce", "python": sys.executable, "addr": "127.0.0.1", "port": port, "rank": rank,
+            "world": 3, "timeout_s": 25, "rounds": [[[0, 1]], [[0, 1], [0, 2]]], "pair_iters": 1})
+    threads = [threading.Thread(target=node, args=(r,)) for r in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert all(answers[r]["status"] == "passed" for r in range(3)), answers
+    for r in range(3):
+        result = answers[r]["result"]
+        assert result["correct"] is True and result["backend"] == "gloo" and result["rounds_done"] == 1, result
+        assert result["links_error"] == "the link tests did not finish within 25 s (after 1 of 2 rounds)", result
+    assert [x["peer"] for x in answers[1]["result"]["links"]] == [0]
+    assert answers[0]["result"]["links"][0]["peer"] == 1 and answers[0]["result"]["links"][0]["correct"] is True
+    assert [x["peer"] for x in answers[2]["result"]["links"]] in ([], [0])  # round 2's 0 <-> 2 may have finished
+
+
 # --------------------------------------------------------------------------- local agents
 
 @pytest.mark.integration
