@@ -267,10 +267,11 @@ class ForkServer:
         return None
 
     def fork(self, rank_id: int, argv: Sequence[str], env: Mapping[str, str], main: Mapping[str, Any],
-             out_fd: int, cwd: str | None = None, timeout: float = FORK_TIMEOUT_S, cgroup: str | None = None) -> int:
+             out_fd: int, cwd: str | None = None, timeout: float = FORK_TIMEOUT_S, cgroup: str | None = None,
+             cpus: Sequence[int] | None = None) -> int:
         """Fork one rank whose stdout and stderr are ``out_fd``; return its pid once it is the agent's
         child, in its own session, with ``PR_SET_PDEATHSIG``, in the cgroup whose ``cgroup.procs`` file is
-        ``cgroup`` (if given; then it runs ``main``).
+        ``cgroup`` (if given), pinned to ``cpus`` (if given: ``agents.binding``; then it runs ``main``).
 
         Raises:
             OSError: the template is gone, the fork failed, or no answer came within ``timeout`` s.
@@ -278,7 +279,8 @@ class ForkServer:
         if self.sock is None:
             raise OSError("the fork-server's template is not running")
         request = {"op": "fork", "id": rank_id, "argv": list(argv), "env": dict(env), "main": dict(main),
-                   "cwd": cwd or self.plan.cwd, "cgroup": cgroup, "umask": _ranks.USER_UMASK if _ranks.USER_UMASK != -1 else _umask()}
+                   "cwd": cwd or self.plan.cwd, "cgroup": cgroup, "cpus": list(cpus) if cpus else None,
+                   "umask": _ranks.USER_UMASK if _ranks.USER_UMASK != -1 else _umask()}
         self.sock.sendmsg([json.dumps(request).encode()],
                           [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [out_fd]))])
         reply = self._receive(timeout)
@@ -333,8 +335,9 @@ class ForkedRank(RankProcess):
 
     def __init__(self, server: ForkServer, main: Mapping[str, Any], global_rank: int, argv: Sequence[str],
                  env: Mapping[str, str], cwd: str, log_path: str,
-                 on_line: Callable[[int, str], None] | None = None, cgroup: Any = None) -> None:
-        super().__init__(global_rank, argv, env, cwd, log_path, on_line, cgroup)
+                 on_line: Callable[[int, str], None] | None = None, cgroup: Any = None,
+                 cpus: Sequence[int] | None = None) -> None:
+        super().__init__(global_rank, argv, env, cwd, log_path, on_line, cgroup, cpus)
         self.server = server
         self.main = dict(main)
         self._pid: int | None = None
@@ -357,7 +360,7 @@ class ForkedRank(RankProcess):
         read_end, write_end = os.pipe()
         try:
             self._pid = self.server.fork(self.global_rank, self.argv, self.env, self.main, write_end, self.cwd,
-                                         cgroup=self.cgroup.procs if self.cgroup is not None else None)
+                                         cgroup=self.cgroup.procs if self.cgroup is not None else None, cpus=self.cpus)
         except OSError:
             os.close(read_end)
             raise

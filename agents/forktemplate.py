@@ -14,8 +14,9 @@ the standard library until it imports what the ranks will use). It:
 3. for each ``{"op": "fork", ...}`` request (with the write end of the rank's output pipe attached as
    ``SCM_RIGHTS``) forks twice: the middle process exits at once, so the rank is re-parented to the
    agent (a child subreaper) and the agent reaps it like a child it spawned. The rank starts its own
-   session, waits to be the agent's child, takes ``PR_SET_PDEATHSIG=SIGKILL``, becomes what an exec'd
-   rank would be (argv, environment, ``sys.path``, a fresh ``__main__``, signal dispositions, umask,
+   session, joins the attempt's cgroup, is pinned to its CPUs (``bind_cores``, :mod:`agents.binding`; a
+   refusal answers ``{"op": "failed"}``), waits to be the agent's child, takes ``PR_SET_PDEATHSIG=SIGKILL``,
+   becomes what an exec'd rank would be (argv, environment, ``sys.path``, a fresh ``__main__``, signal dispositions, umask,
    working directory, fresh random state drawn from the OS), answers ``{"op": "started", "pid"}`` and
    runs the entrypoint; its exit is Python's (``SystemExit``, an uncaught exception's status 1, a
    KeyboardInterrupt's SIGINT), after joining non-daemon threads and running ``atexit`` handlers.
@@ -173,6 +174,13 @@ def _become_rank(sock: socket.socket, out: int, request: dict, agent_pid: int) -
                     os.close(fd)
             except OSError:
                 pass  # (as for an exec'd rank: the cgroup sweep then misses it, the markers do not)
+        if request.get("cpus"):  # bind_cores (agents.binding): pinned before the rank's code, as an exec'd rank
+            try:
+                os.sched_setaffinity(0, request["cpus"])
+            except OSError as err:
+                _send(sock, {"op": "failed", "id": request["id"],
+                             "error": f"cannot pin it to CPUs {request['cpus']}: {err.strerror or err}"})
+                os._exit(73)
         deadline = time.monotonic() + 10.0
         while os.getppid() != agent_pid:  # the middle process exits: re-parented to the agent (a subreaper)
             if time.monotonic() > deadline:

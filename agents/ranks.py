@@ -171,11 +171,15 @@ class RankProcess:
         on_line: optional callback ``(global_rank, line: str)`` for every output line.
         cgroup: an :class:`agents.cgroups.AttemptCgroup` the process joins before it runs (so every process
             it starts is in it), or None.
+        cpus: the CPUs the process is pinned to before it runs (the spec's ``bind_cores``: ``agents.binding``),
+            or None (the agent's own).
     """
 
     def __init__(self, global_rank: int, argv: Sequence[str], env: Mapping[str, str], cwd: str,
-                 log_path: str, on_line: Callable[[int, str], None] | None = None, cgroup: Any = None) -> None:
+                 log_path: str, on_line: Callable[[int, str], None] | None = None, cgroup: Any = None,
+                 cpus: Collection[int] | None = None) -> None:
         self.global_rank = global_rank
+        self.cpus = sorted(cpus) if cpus else None
         self.cgroup = cgroup  # an agents.cgroups.AttemptCgroup the process joins before it runs, or None
         self.argv = list(argv)
         self.env = dict(env)
@@ -194,13 +198,17 @@ class RankProcess:
         """Start the process.
 
         Raises:
-            OSError: the executable cannot be started (not found, not executable).
+            OSError: the executable cannot be started (not found, not executable), or the process cannot be
+                pinned to its ``cpus``.
         """
         os.makedirs(os.path.dirname(self.log_path) or ".", exist_ok=True)
-        self.popen = subprocess.Popen(
-            self.argv, env=self.env, cwd=self.cwd, stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
-            preexec_fn=self._before_exec, close_fds=True, umask=USER_UMASK)
+        try:
+            self.popen = subprocess.Popen(
+                self.argv, env=self.env, cwd=self.cwd, stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+                preexec_fn=self._before_exec, close_fds=True, umask=USER_UMASK)
+        except subprocess.SubprocessError as err:  # what fails in _before_exec: only the pinning may raise
+            raise OSError(f"rank {self.global_rank} cannot be pinned to CPUs {self.cpus} ({err})") from None
         self._reader = threading.Thread(target=self._copy_output, daemon=True,
                                         name=f"rank{self.global_rank}-output")
         self._reader.start()
@@ -212,6 +220,8 @@ class RankProcess:
                 self.cgroup.join()
             except OSError:
                 pass  # (the other layers of cleanup remain)
+        if self.cpus:
+            os.sched_setaffinity(0, self.cpus)  # bind_cores (agents.binding); a failure fails the start
 
     def _copy_output(self) -> None:
         assert self.popen is not None and self.popen.stdout is not None

@@ -34,6 +34,14 @@ SHOWN_ROWS = 64
 ENDS = 3
 
 _T = TypeVar("_T")
+#: what ``bind_cores`` does on the nodes (agents/binding.py), as ``orch plan`` says it
+_BIND_LINES = {
+    "auto": "on nodes whose accelerator is cuda, each rank is pinned to physical cores of its GPU's NUMA node (sysfs), "
+            "split evenly among the ranks whose GPUs are on that node; on other nodes, to the node's physical cores "
+            "split evenly among its ranks (DeepSpeed's --bind_cores_to_rank); only CPUs the agent may use; "
+            "OMP_NUM_THREADS = the rank's core count",
+    "map": "each rank is pinned to its slot's CPUs (the Ranks table's slot column), less those the agent may not use; "
+           "OMP_NUM_THREADS = their count"}
 
 
 def ends(items: Sequence[_T], k: int) -> tuple[list[_T], int, list[_T]]:
@@ -118,6 +126,8 @@ def _ranks_table(rows: Sequence[tuple[Any, Any, dict]], common: dict, here: Any,
         own = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(env.items()) if common.get(k) != v)
         physical = devices.describe(here, [r.slot])
         slot = f"{r.slot} (device {physical[0]})" if physical else str(r.slot)
+        if isinstance(n.bind_cores, dict):  # bind_cores as a map: the slot's CPUs (agents.binding)
+            slot += f", CPUs {n.bind_cores.get(r.slot, n.bind_cores.get(str(r.slot), 'none: not in bind_cores'))}"
         table.add_row(str(r.global_rank), f"{n.host} ({n.node_rank})", str(r.local_rank), slot, own,
                       shlex.join(r.argv))
     return table
@@ -145,6 +155,10 @@ def _print_from_files(plan: Any) -> None:
     if layers:
         console.print(f"  (and for nodes whose accelerator is {', '.join(layers)}: that accelerator's exports, "
                       "likewise; orch plan --output json lists them)", markup=False, highlight=False, soft_wrap=True)
+    bind = plan.nodes[0].bind_cores if plan.nodes else "off"
+    if bind != "off":
+        kind = "auto" if bind == "auto" else "map"
+        console.print(f"  bind_cores {kind}: {_BIND_LINES[kind]}", markup=False, highlight=False, soft_wrap=True)
 
 
 def print_layout(plan: Any, interfaces: dict[int, str], summary: bool, every: bool) -> Any:
