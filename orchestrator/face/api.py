@@ -12,7 +12,8 @@ the state database cannot be written (a full disk; reads still work)):
   ``step``, ``loss``, ``steps_per_second``, ``eta_seconds``, ``total_steps`` (``orchestrator.observe.progress``)
 * ``POST /api/jobs``  ``{"spec": {...}}``     submit a job (spec paths absolute); an ``Idempotency-Key`` header
   already used returns that job and starts nothing (the CLI sends one per ``orch submit``)
-* ``GET  /api/jobs/{id}``                    a job with its attempts and ranks
+* ``GET  /api/jobs/{id}``                    a job with its attempts, ranks and ``goodput`` (docs/goodput.md)
+* ``GET  /api/jobs/{id}/goodput``            its goodput alone: wall time by category, effective ratio, lost steps
 * ``POST /api/jobs/{id}/cancel``             cancel it
 * ``POST /api/jobs/{id}/resume`` ``{"exclude": [host, ...], "fresh": false}``  a new attempt from the last complete
   checkpoint, optionally without some hosts
@@ -43,6 +44,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from .. import __version__
 from ..errors import NotFoundError, OrchError, StateError, StoreFullError
 from ..observe import job_detail, job_list, read_log
+from ..observe.views import goodput_view
 from ..spec import spec_from_dict
 from ..spec.files import MAX_DEPTH, json_depth
 from ..spec.secrets import redact, secret_values
@@ -191,6 +193,11 @@ def _job_routes(controller: Controller) -> APIRouter:
     @api.get("/{job_id}/stacks")
     def stacks(job_id: str, rank: int | None = None) -> dict[str, Any]:
         return hidden(store.get_job(job_id), controller.stacks(job_id, rank))
+
+    @api.get("/{job_id}/goodput")
+    def goodput(job_id: str) -> dict[str, Any]:
+        job = store.get_job(job_id)
+        return {"job": job.id, **goodput_view(store, job)}
 
     @api.get("/{job_id}/progress")
     def progress(job_id: str, attempt: int | None = None, since: int = 0, limit: int = 20_000) -> dict[str, Any]:

@@ -2,6 +2,8 @@
 
 Metrics (docs/metrics.md, "Controller"): ``orch_jobs{state}`` is read from the store at
 scrape time; the counters and histograms count what this controller process saw.
+``orch_job_seconds{job, category}`` (docs/goodput.md): each job's wall time by goodput category, for every job
+not yet terminal and the newest :data:`GOODPUT_JOBS` jobs, read from the store at scrape time.
 
 Targets: one ``file_sd`` file per running attempt, ``<targets dir>/<job>.<attempt>.json``,
 listing every node agent's exporter with the labels ``job``, ``attempt`` and ``node``
@@ -44,6 +46,31 @@ class _JobsByState(Collector):
         yield family
 
 
+#: The newest jobs (besides every job not yet terminal) ``orch_job_seconds`` has series for.
+GOODPUT_JOBS = 100
+
+
+class _JobSeconds(Collector):
+    """``orch_job_seconds{job, category}``: :func:`~.views.goodput_view` of each job not yet terminal and of the
+    newest :data:`GOODPUT_JOBS` (a terminal job's is computed once per change, a running one's at most every
+    ``GOODPUT_CACHE_S`` seconds)."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+    def collect(self) -> Iterable[Metric]:
+        from .views import goodput_view  # (views imports the checkpoint code: only when scraped)
+
+        family = GaugeMetricFamily("orch_job_seconds", "a job's wall time (submission to end, or now) by goodput "
+                                   "category (docs/goodput.md); the categories add up to the wall time",
+                                   labels=["job", "category"])
+        jobs = {j.id: j for j in [*self.store.list_jobs(GOODPUT_JOBS), *self.store.active_jobs()]}
+        for job_id in sorted(jobs):
+            for category, seconds in goodput_view(self.store, jobs[job_id])["seconds"].items():
+                family.add_metric([job_id, category], seconds)
+        yield family
+
+
 class ControllerMetrics:
     """The metrics of one controller process.
 
@@ -54,6 +81,7 @@ class ControllerMetrics:
     def __init__(self, store: Store) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(_JobsByState(store))
+        self.registry.register(_JobSeconds(store))
         self.attempts = Counter("orch_attempts", "attempts this controller started", registry=self.registry)
         self.restarts = Counter("orch_restarts", "attempts this controller started that were not a job's first",
                                 registry=self.registry)

@@ -21,11 +21,12 @@ from ..errors import NotFoundError
 from ..spec.secrets import redact
 from ..store import AttemptRecord, JobRecord, JobState, Store
 from .checkpoints import checkpoints_view
+from .goodput import compute_goodput
 from .hints import next_steps
 from .progress import progress_fields
 
 __all__ = ["job_summary", "job_list", "job_detail", "rank_rows", "node_rows", "read_log", "progress_of", "log_path",
-           "ops_view", "ops_words"]
+           "ops_view", "ops_words", "goodput_view", "GOODPUT_CACHE_S"]
 
 _STEP = re.compile(r"\bstep=(\d+)")
 _LOSS = re.compile(r"\bloss=([-+]?(?:\d+\.?\d*(?:[eE][-+]?\d+)?|nan|inf))")
@@ -230,11 +231,60 @@ def job_detail(store: Store, job_id: str) -> dict[str, Any]:
     else:
         d["ranks"] = []
         d["node_states"] = []
+    d["goodput"] = goodput_view(store, job, attempts)
     d["allocation"] = allocation_view(store, job.id)
     d["ops"] = ops_view(store, job.id, job.attempt)
     d["agents_kept"] = kept_view(store, job.id, job.attempt)
     d["next_steps"] = next_steps(d)
     return redact(d, (job.spec or {}).get("secret_env") or ())  # secret-looking values: **** (docs/security.md)
+
+
+#: Seconds a job's goodput is reused while the job is not terminal (``orch follow`` and the dashboard redraw it
+#: every second); a terminal job's is kept until the job changes again.
+GOODPUT_CACHE_S = 5.0
+_goodput_cache: dict[tuple[str, str], tuple[float, float, dict[str, Any]]] = {}
+
+
+def goodput_view(store: Store, job: JobRecord, attempts: list[AttemptRecord] | None = None) -> dict[str, Any]:
+    """The job's goodput (:func:`.goodput.compute_goodput`, ``Goodput.to_dict``) from the store: every attempt's
+    reported points and the modification times of the checkpoint files the ledger recorded for the job (in the
+    directories its plans watch). Reused for :data:`GOODPUT_CACHE_S` seconds, a terminal job's while its
+    ``updated_at`` stays the same."""
+    now = store.clock()
+    key = (str(store.path), job.id)
+    hit = _goodput_cache.get(key)
+    if hit is not None and hit[0] == job.updated_at and (job.state.is_terminal() or now - hit[1] < GOODPUT_CACHE_S):
+        return hit[2]
+    attempts = store.attempts(job.id) if attempts is None else attempts
+    points = {a.number: _all_points(store, job.id, a.number) for a in attempts}
+    view = compute_goodput(job, attempts, points, _write_times(store, job.id, attempts), now).to_dict()
+    if len(_goodput_cache) > 256:
+        _goodput_cache.clear()
+    _goodput_cache[key] = (job.updated_at, now, view)
+    return view
+
+
+def _all_points(store: Store, job_id: str, attempt: int) -> list[dict[str, Any]]:
+    """Every recorded point of an attempt (``Store.progress``, read a page at a time)."""
+    out: list[dict[str, Any]] = []
+    while True:
+        page = store.progress(job_id, attempt, out[-1]["id"] if out else 0)
+        out.extend(page)
+        if len(page) < 100_000:
+            return out
+
+
+def _write_times(store: Store, job_id: str, attempts: list[AttemptRecord]) -> list[float]:
+    """Modification times (epoch seconds) of the checkpoint files the ledger recorded for the job, in every
+    directory its attempts' plans name (``checkpoint_dir``, ``resume_dir``, each node's ``checkpoint_watch``)."""
+    dirs: set[str] = set()
+    for a in attempts:
+        dirs.update(d for d in (a.plan.get("checkpoint_dir"), a.plan.get("resume_dir")) if d)
+        dirs.update(w["dir"] for w in [a.plan.get("checkpoint_watch"), *(n.get("checkpoint_watch") for n in
+                                                                         a.plan.get("nodes", []))]
+                    if isinstance(w, dict) and w.get("dir"))
+    return [f["mtime_ns"] / 1e9 for d in sorted(dirs) for tag in store.manifest_tags(job_id, d)
+            for f in store.checkpoint_manifest(job_id, d, tag).values()]
 
 
 def allocation_view(store: Store, job_id: str) -> dict[str, Any] | None:

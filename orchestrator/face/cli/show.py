@@ -70,9 +70,25 @@ def cmd_status(args: argparse.Namespace) -> int:
         c.print(f"DeepSpeed ops (preflight of attempt {detail['attempt']}): {ops}", markup=False, highlight=False)
     for line in checkpoint_lines(detail.get("checkpoints")):
         c.print(line, markup=False, highlight=False)
+    for line in goodput_lines(detail.get("goodput")):
+        c.print(line, markup=False, highlight=False)
     for step in detail.get("next_steps") or []:
         c.print(f"next: {step}", markup=False, highlight=False)
     return 0
+
+
+def goodput_lines(goodput: dict | None) -> list[str]:
+    """``Goodput`` (docs/goodput.md): one line per category with its seconds and share of the wall time, then
+    the effective training time ratio and the lost steps. Empty without a goodput."""
+    if not goodput:
+        return []
+    wall = goodput["wall_seconds"]
+    lines = [f"Goodput over {wall:.1f} s of wall time" + (" (so far)" if goodput.get("running") else "") + ":"]
+    for category, seconds in goodput["seconds"].items():
+        lines.append(f"  {category:<18} {seconds:10.1f} s {goodput['percent'][category]:6.1f} %")
+    lines.append(f"  effective training time ratio {goodput['effective_ratio']:.3f}; lost steps "
+                 f"{goodput['lost_steps']}")
+    return lines
 
 
 def stuck_lines(args: argparse.Namespace, detail: dict) -> list[str]:
