@@ -8,7 +8,7 @@ the NUMA node holding all its cores; ``-p`` on flat-HBM machines); and ``OMP_NUM
 over any value the environment had. orch does the same without numactl:
 
 - ``off``: nothing (ranks inherit the agent's CPUs; ``OMP_NUM_THREADS`` untouched).
-- ``auto`` on a node whose ranks use NVIDIA GPUs (the node's accelerator is ``cuda``): each rank's GPU is its slot's
+- ``auto`` on a node whose ranks use NVIDIA GPUs (their accelerator is ``cuda``): each rank's GPU is its slot's
   device (``agents.devices``: the node's ``CUDA_VISIBLE_DEVICES`` list, else the slot itself), its PCI bus id from
   ``nvidia-smi --query-gpu=index,uuid,pci.bus_id``, its NUMA node from ``/sys/bus/pci/devices/<bus id>/numa_node``,
   that node's CPUs from ``/sys/devices/system/node/node<N>/cpulist``; the physical cores among them (the first
@@ -247,8 +247,8 @@ def rank_cpus(bind: Any, ranks: Sequence[Mapping[str, Any]], host: str, env: Map
 def node_cpus(node: Mapping[str, Any], env: Mapping[str, str],
               rank_envs: Sequence[dict[str, str]]) -> dict[int, list[int]]:
     """:func:`rank_cpus` for a node plan (``node["bind_cores"]``, ``node["ranks"]``) with the agent's own
-    allowed CPUs, on a GPU node when the node's accelerator is ``cuda`` (``agents.nodeenv.node_accelerator``) or
-    the test seam names GPUs; sets ``OMP_NUM_THREADS`` in each bound rank's environment (``rank_envs``, in ``node["ranks"]``'s
+    allowed CPUs, on a GPU node when the ranks' accelerator is ``cuda`` (``agents.nodeenv.node_accelerator`` of
+    the first rank's environment) or the test seam names GPUs; sets ``OMP_NUM_THREADS`` in each bound rank's environment (``rank_envs``, in ``node["ranks"]``'s
     order) to its CPU count, as DeepSpeed's launcher does. Returns global rank -> CPUs ({} when ``off``).
 
     Raises:
@@ -257,7 +257,8 @@ def node_cpus(node: Mapping[str, Any], env: Mapping[str, str],
     bind = node.get("bind_cores", "off")
     if bind in (None, "off", False):
         return {}
-    gpus = FAKE_BUS_IDS_ENV in env or node_accelerator(dict(env)) == "cuda"
+    # the accelerator a rank gets (DS_ACCELERATOR may be the spec's): the node's cuda ranks use its GPUs
+    gpus = FAKE_BUS_IDS_ENV in env or node_accelerator(dict(rank_envs[0] if rank_envs else env)) == "cuda"
     cpus = rank_cpus(bind, node["ranks"], node["host"], env, os.sched_getaffinity(0), gpus)
     for r, renv in zip(node["ranks"], rank_envs):
         if int(r["global_rank"]) in cpus:

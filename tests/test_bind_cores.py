@@ -203,3 +203,12 @@ def test_an_exec_d_rank_is_pinned_before_exec_and_a_refused_pin_is_an_os_error(t
     absent = RankProcess(4, ["true"], {}, str(tmp_path), str(tmp_path / "r4.log"), cpus=[os.cpu_count() + 4096])
     with pytest.raises(OSError, match="rank 4 cannot be pinned to CPUs"):
         absent.start()
+
+
+def test_native_mode_says_bind_cores_is_not_applied() -> None:
+    sent: list[dict] = []
+    binding.warn_native({"host": "n3", "bind_cores": "auto"}, sent.append)
+    binding.warn_native({"host": "n4", "bind_cores": "off"}, sent.append)
+    assert [m["message"] for m in sent] == [
+        "bind_cores is not applied on n3 in launch_mode native (the real launcher starts the ranks; use "
+        "launch_mode emulated)"]
