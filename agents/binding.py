@@ -248,8 +248,9 @@ def node_cpus(node: Mapping[str, Any], env: Mapping[str, str],
               rank_envs: Sequence[dict[str, str]]) -> dict[int, list[int]]:
     """:func:`rank_cpus` for a node plan (``node["bind_cores"]``, ``node["ranks"]``) with the agent's own
     allowed CPUs, on a GPU node when the ranks' accelerator is ``cuda`` (``agents.nodeenv.node_accelerator`` of
-    the first rank's environment) or the test seam names GPUs; sets ``OMP_NUM_THREADS`` in each bound rank's environment (``rank_envs``, in ``node["ranks"]``'s
-    order) to its CPU count, as DeepSpeed's launcher does. Returns global rank -> CPUs ({} when ``off``).
+    the first rank's environment) or the test seam names GPUs; sets ``OMP_NUM_THREADS`` in each bound rank's
+    environment (``rank_envs``, in ``node["ranks"]``'s order) to its CPU count, as DeepSpeed's launcher does.
+    Returns global rank -> CPUs ({} when ``off``).
 
     Raises:
         BindError: as :func:`rank_cpus`.
