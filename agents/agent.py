@@ -40,7 +40,7 @@ import threading
 import time
 from typing import Any
 
-from . import devices, network, stacks
+from . import binding, devices, network, stacks
 from .attach import AttachPoint, RelinkWriter, write_outcome
 from .cgroups import AttemptCgroup
 from .adopted import SHIM, AdoptedRank, log_tail, write_plans, wrong_tool
@@ -246,11 +246,13 @@ class Agent:
         self._cgroup, self._no_cgroup = AttemptCgroup.create(self.attempt_id, self.node["node_rank"])
         choice = self._choose_network()
         if self.native:
+            binding.warn_native(self.node, self.writer.send)  # the real launcher starts the ranks: not pinned
             return self._fork_server([]) is not False and self._start_native(choice)
         try:
             envs = [self._rank_env(r, choice) for r in self.node["ranks"]]
+            cpus = binding.node_cpus(self.node, self.base_env, envs)  # and OMP_NUM_THREADS in envs
         except ValueError as err:
-            return self._spawn_failed(str(err))
+            return self._spawn_failed(str(err), global_rank=getattr(err, "global_rank", None))
         server = self._fork_server(envs)
         if server is False:
             return False
@@ -258,8 +260,9 @@ class Agent:
             for i, (r, env) in enumerate(zip(self.node["ranks"], envs)):
                 log = os.path.join(log_dir, f"rank-{r['global_rank']}.log")
                 proc = (ForkedRank(server, server.plan.mains[i], r["global_rank"], r["argv"], env, self.node["workdir"],
-                                   log, cgroup=self._cgroup) if server else
-                        RankProcess(r["global_rank"], r["argv"], env, self.node["workdir"], log, cgroup=self._cgroup))
+                                   log, cgroup=self._cgroup, cpus=cpus.get(r["global_rank"])) if server else
+                        RankProcess(r["global_rank"], r["argv"], env, self.node["workdir"], log, cgroup=self._cgroup,
+                                    cpus=cpus.get(r["global_rank"])))
                 try:
                     proc.start()
                 except OSError as err:
@@ -271,7 +274,8 @@ class Agent:
             if server and server is not self.template:
                 server.close()  # the ranks are the agent's children now
         self.writer.send({"type": "started", "metrics_port": self.metrics_port, "network": choice.to_dict(),
-                          "ranks": [{"global_rank": p.global_rank, "pid": p.pid} for p in self.ranks],
+                          "ranks": [{"global_rank": p.global_rank, "pid": p.pid, **binding.report(p.cpus)}
+                                    for p in self.ranks],
                           "cgroup": self._cgroup.path if self._cgroup else None, "no_cgroup": self._no_cgroup,
                           "fast_start": self._fast_start_note})
         return True
