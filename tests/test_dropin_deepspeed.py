@@ -138,13 +138,22 @@ def test_refused_and_missing_hostfile_are_named() -> None:
     text = str(err.value)
     assert "--autotuning 'run' is not supported" not in text  # the value is not what is refused
     assert "--autotuning is not supported: orch does not run DeepSpeed's autotuner" in text
-    assert "--bind_cores_to_rank is not supported" in text and "numactl" in text
+    assert "--bind_cores_to_rank" not in text  # bind_cores: auto
     assert "--hostfile 'nope': not a file (/w/nope)" in text
     with pytest.raises(SpecError) as err:  # a name the runner does not know (orch's own standard launcher)
         _job(["--launcher", "standard", "t.py"])
     assert "--launcher 'standard' is not one of the runner's launchers" in str(err.value)
     # the runner's default hostfile missing: this machine only, as the runner does
     assert "hostfile" not in _job(["t.py"], found=False).fields
+
+
+def test_bind_cores_to_rank_is_bind_cores_auto_and_a_core_list_is_refused_with_it() -> None:
+    assert _job(["--bind_cores_to_rank", "t.py"]).fields["bind_cores"] == "auto"
+    assert "bind_cores" not in _job(["t.py"]).fields
+    with pytest.raises(SpecError, match=r"--bind_core_list is not supported: launch.py splits the list"):
+        _job(["--bind_cores_to_rank", "--bind_core_list", "0-3", "t.py"])
+    alone = _job(["--bind_core_list", "0-3", "t.py"])  # launch.py reads it only with --bind_cores_to_rank
+    assert "bind_cores" not in alone.fields and any(n.startswith("--bind_core_list is not used") for n in alone.notes)
 
 
 def test_print_spec_is_a_spec_orch_plan_takes(tmp_path: Path) -> None:
@@ -168,7 +177,8 @@ def test_print_spec_is_a_spec_orch_plan_takes(tmp_path: Path) -> None:
         plans.append({k: v for k, v in json.loads(r.stdout).items() if k not in ("spec_source",)})
     assert plans[0]["nodes"] == plans[1]["nodes"] and plans[0]["world_size"] == 3
     # a refused argument: exit 2 with the reason, nothing started, no traceback
-    r = subprocess.run([PYTHON, "-m", "orchestrator", "deepspeed", "--bind_core_list", "0-3", *argv], cwd=tmp_path,
+    r = subprocess.run([PYTHON, "-m", "orchestrator", "deepspeed", "--bind_cores_to_rank", "--bind_core_list", "0-3",
+                        *argv], cwd=tmp_path,
                        env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "--bind_core_list is not supported" in r.stderr and "Traceback" not in r.stderr
 

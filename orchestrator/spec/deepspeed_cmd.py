@@ -13,7 +13,7 @@ abbreviations allowed, the script and everything after it left to the script;
 * ``note``: it has no effect under orch, and ``orch deepspeed`` says why when it is given
   (``--node_rank``: orch starts every node's ranks itself; ``--save_pid``: the job has an id); or
 * ``refused``: orch cannot do what it asks yet, and says so rather than run a different job
-  (``--autotuning``, ``--bind_cores_to_rank``, ``--bind_core_list``).
+  (``--autotuning``; ``--bind_core_list`` with ``--bind_cores_to_rank``).
 
 Where orch departs from the runner on purpose, :func:`runner_job` adds a note: ``--master_port``
 unset is a free port orch picks (the runner takes 29500 whether or not it is free); a ``--hostfile``
@@ -72,8 +72,9 @@ def _o(flags: str, dest: str, kind: str, type_: type | None, default: Any, handl
     return RunnerOption(tuple(flags.split()), dest, kind, type_, default, handling, meaning, choices)
 
 
-_NO_BINDING = ("refused: orch does not bind ranks to cores yet (launch.py would start each rank under numactl "
-               "and set OMP_NUM_THREADS); leave it out, or set OMP_NUM_THREADS in the job's env")
+_CORE_LIST = ("refused with --bind_cores_to_rank: launch.py splits the list among each node's local ranks, and "
+              "orch's bind_cores takes a CPU list per slot instead; write the job with --print-spec FILE and set "
+              "bind_cores: {slot: CPU list} there")
 
 #: Every argument of DeepSpeed 0.19.8's runner, in its order (the two positionals, ``user_script``
 #: and ``user_args``, are added by :func:`add_runner_arguments`).
@@ -107,8 +108,10 @@ RUNNER_OPTIONS: tuple[RunnerOption, ...] = (
     _o("--autotuning", "autotuning", "store", str, "", "refused",
        "refused: orch does not run DeepSpeed's autotuner; run it with deepspeed, then this job with its result",
        ("tune", "run")),
-    _o("--bind_cores_to_rank", "bind_cores_to_rank", "store_true", None, False, "refused", _NO_BINDING),
-    _o("--bind_core_list", "bind_core_list", "store", str, None, "refused", _NO_BINDING),
+    _o("--bind_cores_to_rank", "bind_cores_to_rank", "store_true", None, False, "spec",
+       "bind_cores: auto (each rank pinned to its share of the node's cores, OMP_NUM_THREADS set; on GPU nodes "
+       "the cores of its GPU's NUMA node)"),
+    _o("--bind_core_list", "bind_core_list", "store", str, None, "refused", _CORE_LIST),
     _o("--ssh_port", "ssh_port", "store", int, None, "spec", "ssh.port: the nodes' sshd port"),
     _o("--venv_script", "venv_script", "store", str, None, "spec",
        "python: the ranks run under the Python beside this activation script"),
@@ -231,11 +234,17 @@ def runner_job(ns: argparse.Namespace, cwd: str, *, hostfile_found: bool) -> Run
     """
     given = set(getattr(ns, "runner_given", ()) or ())
     problems = [f"--{o.dest} is not supported: {o.meaning.removeprefix('refused: ')}"
-                for o in RUNNER_OPTIONS if o.handling == "refused" and o.dest in given]
+                for o in RUNNER_OPTIONS if o.handling == "refused" and o.dest in given and o.dest != "bind_core_list"]
+    notes: list[str] = []
+    if ns.bind_cores_to_rank and ns.bind_core_list is not None:
+        problems.append(f"--bind_core_list is not supported: {_CORE_LIST.removeprefix('refused with --bind_cores_to_rank: ')}")
+    elif ns.bind_core_list is not None:
+        notes.append("--bind_core_list is not used: DeepSpeed's launch.py reads it only with --bind_cores_to_rank")
     script = ns.user_script.rsplit(".", 1)[-1] if ns.module else ns.user_script
     fields: dict[str, Any] = {"name": script_job_name(script), "workdir": cwd,
                               "entrypoint": ns.user_script, "args": list(ns.user_args)}
-    notes: list[str] = []
+    if ns.bind_cores_to_rank:
+        fields["bind_cores"] = "auto"
     hostfile = os.path.join(cwd, ns.hostfile)
     if hostfile_found:
         fields["hostfile"] = hostfile
