@@ -52,8 +52,10 @@ SECTIONS = (
     Section("metrics_overhead", "Steady-state throughput and scrape time", ("--rounds", "9", "--steps", "300"),
             ("--rounds", "1", "--steps", "60"),
             what="orch with metrics on vs off vs DeepSpeed's bare launcher (throughput paired per round); one scrape."),
-    Section("failure_detection", "Detection of a dead rank", ("--rounds", "5"), ("--rounds", "1"),
-            what="orch vs DeepSpeed's per-node launcher."),
+    Section("failure_detection", "A fault in real training, 3 ssh hosts", ("--rounds", "3"),
+            ("--rounds", "1", "--faults", "kill_node", "--limit", "30"), True,
+            what="orch vs `deepspeed --launcher pdsh` (real pdsh and OpenSSH): a node killed, a link cut, a rank "
+                 "stopped; how long until the run ends, and the processes left."),
     Section("recovery_timeline", "Fault to the next attempt's first step", ("--rounds", "5"), ("--rounds", "1"),
             what="a rank crash, with the restart policy."),
     Section("universal_where", "Where the universal conversion is cheapest", ("--rounds", "5"), ("--rounds", "1"),

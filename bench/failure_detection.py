@@ -1,28 +1,37 @@
-"""Time from a rank's death to the job being failed and every process stopped: orch vs. launch.py.
+"""A fault in real training on 3 ssh hosts: how long until the run ends, and what it leaves behind:
+orch vs DeepSpeed's runner + pdsh + ssh.
 
-The same 2-node x 2-slot job of tests/scripts/worker.py (ranks that sleep in small
-steps); once every rank runs, rank 3 (node 1) is killed with SIGKILL, and we measure
+3 hosts (network namespaces with their own sshd, tests/nethosts.py), 1 slot each, the tiny ZeRO-2 job of
+examples/train_gpt.py (gloo all-reduces every step; the example's collective timeout, ``--dist-timeout-s``,
+is its default 600 s), started by
 
-* ``orch``: seconds until the job is FAILED in orch's store, and until every process of
-  the job (all 4 ranks on both nodes, both agents) is gone;
-* ``deepspeed``: DeepSpeed's per-node launcher (``deepspeed.launcher.launch``, what pdsh
-  runs on every node): seconds until node 1's launcher exits and its ranks are gone. Node
-  0's launcher never learns of it (there is no link between nodes' launchers); its
-  ranks run on until they end by themselves or block in a collective until the
-  backend's timeout (30 min for gloo). That is reported as "not detected".
+* ``orch``: ``orch run job.yaml``, ssh provisioner, pdsh launcher semantics, no restart, ``hang_timeout: 10``
+  (a user's setting; the default ``auto`` waits at least 300 s), ``stop_grace_seconds: 5``;
+* ``deepspeed``: ``deepspeed --hostfile H --launcher pdsh ...``, the real runner with Debian's pdsh over
+  OpenSSH (bench/launch_ssh.py's set-up).
 
-    python bench/failure_detection.py --rounds 5
+Once every rank logged step 3, one fault hits host 2 (global rank 2):
+
+* ``kill_node``: every process of the host is SIGKILLed, its sshd included (a node that dies);
+* ``cut_link``: the host's interface goes down (its packets are dropped: peers see silence, no reset);
+* ``stop_rank``: the rank is SIGSTOPped (a process that stops running but holds its sockets open).
+
+Measured: seconds from the fault until the command the user ran (``orch run``; the runner) exits, or
+"not within L s" (``--limit``), when it is interrupted as a user would (Ctrl-C: SIGINT to its process group);
+then how many processes of the run are still alive on each host 5 s later (the hosts' sshd excluded). Each
+trial's network is reset after it (links up, everything killed).
+
+    sudo .venv/bin/python bench/failure_detection.py --rounds 3
+    sudo .venv/bin/python bench/failure_detection.py --faults kill_node --rounds 1 --limit 30
 """
 
 from __future__ import annotations
 
 import argparse
-import base64
 import json
 import os
+import re
 import signal
-import socket
-import sqlite3
 import statistics
 import subprocess
 import sys
@@ -34,109 +43,185 @@ import psutil
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-WORKER = ROOT / "tests" / "scripts" / "worker.py"
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+
+from bench.launch_latency import ARGS  # noqa: E402  (the same tiny model)
+from bench.launch_ssh import EXAMPLES, HOSTS, Systems  # noqa: E402
+
+FAULTS = ("kill_node", "cut_link", "stop_rank")
+SYSTEMS = ("orch", "deepspeed")
+STEP = re.compile(rb"\[train\] step=(\d+) rank=(\d+) ")  # (pdsh prefixes each line with its host)
+VICTIM = 2  # host index and global rank hit by the fault
+TRAIN = [*ARGS[:ARGS.index("--steps")], "--steps", "100000", *ARGS[ARGS.index("--steps") + 2:]]
+AFTER_S = 5.0  # processes are counted this long after the run ended
 
 
-def _env(ready: Path) -> dict[str, str]:
-    e = dict(os.environ)
-    e.update(WORKER_STEPS="100000", WORKER_STEP_S="0.05", WORKER_READY_DIR=str(ready))
-    return e
-
-
-def _wait(cond, timeout: float = 120.0, step: float = 0.002) -> float:
-    t0 = time.perf_counter()
-    while not cond():
-        if time.perf_counter() - t0 > timeout:
-            raise TimeoutError
-        time.sleep(step)
-    return time.perf_counter()
-
-
-def _rank_pid(rank: int) -> int:
-    for p in psutil.process_iter(["pid", "environ", "cmdline"]):
+def _steps(logs: list[Path]) -> dict[int, int]:
+    """The newest step each rank logged in ``logs``."""
+    out: dict[int, int] = {}
+    for f in logs:
         try:
-            if str(WORKER) in " ".join(p.info["cmdline"] or []) and (p.info["environ"] or {}).get("RANK") == str(rank):
-                return p.pid
-        except (psutil.Error, TypeError):
+            text = f.read_bytes()
+        except OSError:
             continue
-    raise LookupError(rank)
+        for m in STEP.finditer(text):
+            out[int(m.group(2))] = max(out.get(int(m.group(2)), 0), int(m.group(1)))
+    return out
 
 
-def _alive(pids: list[int]) -> bool:
-    return any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids)
+def _left(net) -> dict[str, int]:
+    """Processes alive on each host, its listening sshd excluded (zombies are not counted)."""
+    out = {}
+    for h in net.hosts:
+        keep = {h.sshd.pid} if h.sshd is not None and h.sshd.poll() is None else set()
+        pids = [p for p in net.pids(h.index) if p not in keep]
+        out[h.name] = sum(1 for p in pids if _live(p))
+    return out
 
 
-def run_orch(tmp: Path) -> tuple[float, float]:
-    ready = tmp / "ready"
-    (tmp / "hostfile").write_text("node-0 slots=2\nnode-1 slots=2\n")
-    spec = tmp / "job.yaml"
-    spec.write_text(yaml.safe_dump({"name": "fd", "hostfile": str(tmp / "hostfile"), "entrypoint": str(WORKER),
-                                    "stop_grace_seconds": 2}))
-    e = _env(ready)
-    e["ORCH_STATE_DIR"] = str(tmp / "state")
-    proc = subprocess.Popen([sys.executable, "-m", "orchestrator", "run", str(spec)], env=e,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    _wait(lambda: len(list(ready.glob("rank*.ready"))) == 4)
-    pids = [_rank_pid(r) for r in range(4)]
-    db = sqlite3.connect(tmp / "state" / "orch.db")
-    t_kill = time.perf_counter()
-    os.kill(pids[3], signal.SIGKILL)
-    t_failed = _wait(lambda: db.execute("SELECT state FROM jobs").fetchone()[0] == "FAILED")
-    t_gone = _wait(lambda: not _alive(pids))
-    proc.wait(60)
-    return t_failed - t_kill, t_gone - t_kill
+def _live(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
-def run_deepspeed(tmp: Path) -> tuple[float, float]:
-    ready = tmp / "ready"
-    info = base64.urlsafe_b64encode(json.dumps({"node-0": [0, 1], "node-1": [0, 1]}).encode()).decode()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    launchers = [subprocess.Popen([sys.executable, "-u", "-m", "deepspeed.launcher.launch", f"--world_info={info}",
-                                   f"--node_rank={k}", "--master_addr=127.0.0.1", f"--master_port={port}",
-                                   str(WORKER)], env=_env(ready), stdout=subprocess.DEVNULL,
-                                  stderr=subprocess.DEVNULL, start_new_session=True) for k in range(2)]
-    _wait(lambda: len(list(ready.glob("rank*.ready"))) == 4)
-    pids = [_rank_pid(r) for r in range(4)]
-    t_kill = time.perf_counter()
-    os.kill(pids[3], signal.SIGKILL)
-    t_node1 = _wait(lambda: launchers[1].poll() is not None and not _alive(pids[2:]))
-    time.sleep(5)
-    node0_noticed = launchers[0].poll() is not None
-    for p in launchers:
+def _victim_pid(net) -> int:
+    """The training process of global rank :data:`VICTIM` on its host (not its launcher or agent)."""
+    for pid in net.pids(VICTIM):
         try:
-            os.killpg(p.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        p.wait()
-    for pid in pids:
+            p = psutil.Process(pid)
+            if p.environ().get("RANK") == str(VICTIM) and "train_gpt.py" in " ".join(p.cmdline()) \
+                    and "deepspeed.launcher.launch" not in " ".join(p.cmdline()):
+                return pid
+        except psutil.Error:
+            continue
+    raise LookupError(f"rank {VICTIM}'s process on host {VICTIM}")
+
+
+class Trials(Systems):
+    """Starts either system on the training job and applies a fault (see the module docstring)."""
+
+    def start(self, system: str) -> tuple[subprocess.Popen, callable]:
+        """Start ``system``; returns its process and a function listing its rank logs."""
+        d = self._dir(system)
+        if system == "orch":
+            p = self.net.client_params()
+            spec = d / "job.yaml"
+            spec.write_text(yaml.safe_dump({
+                "name": "fd", "hostfile": str(self.hostfile), "provisioner": "ssh", "launcher": "pdsh",
+                "workdir": str(EXAMPLES), "entrypoint": "train_gpt.py", "args": TRAIN,
+                "deepspeed_config": str(EXAMPLES / "ds_zero2.json"), "master_port": self._next_port(),
+                "hang_timeout": 10, "stop_grace_seconds": 5,
+                "ssh": {"user": p["user"], "identity_file": p["key_filename"], "known_hosts": p["known_hosts"]},
+                "env": {**self._vars(), "PATH": self.path}}))
+            env = {**os.environ, "ORCH_STATE_DIR": str(d / "state"), "PATH": self.path}
+            proc = subprocess.Popen([sys.executable, "-m", "orchestrator", "run", str(spec)], env=env,
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+            return proc, lambda: list((d / "state").glob("jobs/*/attempt-1/logs/rank-*.log"))
+        out = d / "runner.log"
+        env = {**os.environ, "PATH": self.path, "DS_ENV_FILE": str(self.ds_env), **self._vars()}
+        with open(out, "wb") as f:
+            proc = subprocess.Popen([sys.executable, "-u", "-m", "deepspeed.launcher.runner", "--hostfile",
+                                     str(self.hostfile), "--launcher", "pdsh", "--master_addr", self.net.addresses[0],
+                                     "--master_port", str(self._next_port()), "train_gpt.py", *TRAIN],
+                                    cwd=EXAMPLES, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        return proc, lambda: [out]
+
+    def fault(self, fault: str) -> None:
+        """Apply ``fault`` to host :data:`VICTIM`."""
+        if fault == "kill_node":
+            self.net.kill_host(VICTIM)
+        elif fault == "cut_link":
+            self.net.cut_link(VICTIM)
+        else:
+            os.kill(_victim_pid(self.net), signal.SIGSTOP)
+
+    def trial(self, system: str, fault: str, limit: float) -> dict:
+        """One run of ``system`` with ``fault``: ``{"ended_s": seconds or None, "left": {host: processes}}``."""
+        proc, logs = self.start(system)
         try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    return t_node1 - t_kill, (0.0 if node0_noticed else float("inf"))
+            deadline = time.monotonic() + 300
+            while len([s for s in _steps(logs()).values() if s >= 3]) < HOSTS:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"{system} did not reach step 3 on every rank (exit {proc.poll()}; "
+                                       f"logs {[str(f) for f in logs()]})")
+                time.sleep(0.05)
+            t0 = time.monotonic()
+            self.fault(fault)
+            try:
+                proc.wait(limit)
+                ended = time.monotonic() - t0
+            except subprocess.TimeoutExpired:  # what a user does then: Ctrl-C (SIGINT to the command's group)
+                ended = None
+                os.killpg(proc.pid, signal.SIGINT)
+                try:
+                    proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    pass
+            time.sleep(AFTER_S)
+            return {"ended_s": ended, "left": _left(self.net), "interrupted": ended is None}
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait(30)
+            self.net.reset()
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--rounds", type=int, default=5)
-    args = p.parse_args()
-    orch_failed, orch_gone, ds_node1, ds_node0 = [], [], [], []
-    for i in range(args.rounds):
-        f, g = run_orch(Path(tempfile.mkdtemp(prefix="fd-orch-")))
-        n1, n0 = run_deepspeed(Path(tempfile.mkdtemp(prefix="fd-ds-")))
-        orch_failed.append(f)
-        orch_gone.append(g)
-        ds_node1.append(n1)
-        ds_node0.append(n0)
-        print(f"round {i + 1}: orch FAILED after {f:.3f}s, all 4 ranks gone after {g:.3f}s | deepspeed: node 1 "
-              f"launcher done after {n1:.3f}s, node 0 {'noticed' if n0 == 0 else 'never noticed (5 s watched)'}",
-              flush=True)
-    med = statistics.median
-    print(f"median: orch failed {med(orch_failed):.3f}s, every rank gone {med(orch_gone):.3f}s; deepspeed node 1 "
-          f"{med(ds_node1):.3f}s (ratio orch-failed/deepspeed-node1 {med(orch_failed) / med(ds_node1):.2f}); "
-          f"deepspeed node 0 noticed in {sum(x == 0 for x in ds_node0)}/{len(ds_node0)} rounds")
+def measure(rounds: int, faults: tuple[str, ...], limit: float, log=print) -> dict[str, dict[str, list[dict]]]:
+    """``{fault: {system: [trial results]}}``, the systems alternating within each fault and round."""
+    from nethosts import TestNetwork
+    out: dict[str, dict[str, list[dict]]] = {f: {s: [] for s in SYSTEMS} for f in faults}
+    with tempfile.TemporaryDirectory(prefix="orch-bench-fd-") as work, TestNetwork(HOSTS) as net:
+        runs = Trials(net, Path(work))
+        runs.bare()  # warm the page cache and the op caches (not counted)
+        runs.orch()
+        for i in range(rounds):
+            for fault in faults:
+                for system in SYSTEMS:
+                    r = runs.trial(system, fault, limit)
+                    out[fault][system].append(r)
+                    log(f"round {i + 1} {fault} {system}: ended "
+                        f"{'not within %g s' % limit if r['ended_s'] is None else '%.2f s' % r['ended_s']}, "
+                        f"left {r['left']}", flush=True)
+    return out
+
+
+def table(results: dict[str, dict[str, list[dict]]], limit: float) -> str:
+    """A markdown table: per fault and system, the seconds to the end (median, min-max; how many ended within the
+    limit) and the processes left on the faulty host and on the others (max over the rounds)."""
+    victim = f"host {VICTIM}"
+    lines = ["| fault | system | run ended after (median; min-max) | ended within the limit | processes left "
+             f"{AFTER_S:g} s after it ended, or after Ctrl-C at the limit: {victim} / other hosts (max) |",
+             "|---|---|---|---|---|"]
+    for fault, by_system in results.items():
+        for system, trials in by_system.items():
+            done = [t["ended_s"] for t in trials if t["ended_s"] is not None]
+            when = (f"{statistics.median(done):.2f} s; {min(done):.2f}-{max(done):.2f} s" if done
+                    else f"not within {limit:g} s")
+            names = list(trials[0]["left"]) if trials else []
+            on_victim = max((t["left"][names[VICTIM]] for t in trials), default=0)
+            others = max((sum(v for k, v in t["left"].items() if k != names[VICTIM]) for t in trials), default=0)
+            label = "deepspeed --launcher pdsh" if system == "deepspeed" else system
+            lines.append(f"| {fault} | {label} | {when} | {len(done)}/{len(trials)} | {on_victim} / {others} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--faults", default=",".join(FAULTS), help=f"comma-separated, of {', '.join(FAULTS)}")
+    ap.add_argument("--limit", type=float, default=60.0, help="seconds to wait for a run to end after the fault")
+    ap.add_argument("--json", action="store_true", help="print every trial as JSON")
+    args = ap.parse_args(argv)
+    faults = tuple(f for f in args.faults.split(",") if f)
+    unknown = [f for f in faults if f not in FAULTS]
+    if unknown:
+        ap.error(f"unknown fault(s) {', '.join(unknown)}; expected some of {', '.join(FAULTS)}")
+    results = measure(args.rounds, faults, args.limit)
+    print(json.dumps(results) if args.json else table(results, args.limit))
     return 0
 
 
