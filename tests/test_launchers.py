@@ -381,6 +381,29 @@ def test_pdsh_single_node_runs_launch_locally(ds, monkeypatch, tmp_path, flags):
     assert env == dict(os.environ)  # no PYTHONPATH prefix, no exports
 
 
+def test_bind_cores_auto_is_in_the_local_launch_and_said_lost_under_pdsh(ds, monkeypatch, tmp_path):
+    """--bind_cores_to_rank reaches launch.py on the runner's local path only: PDSHRunner.get_cmd drops it."""
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("n0 slots=2\nn1 slots=2\n")
+    monkeypatch.chdir(tmp_path)
+    one = make_ctx((("n0", (0, 1)),), workdir=str(tmp_path), hostfile=str(hostfile), include="n0",
+                   bind_cores="auto")
+    [ours] = PDSH.real_commands(one)
+    calls = run_runner_main(ds, monkeypatch, ["--hostfile", str(hostfile), "--include", "n0", "--no_ssh_check",
+                                              "--master_addr", one.master_addr, "--master_port", str(one.master_port),
+                                              "--bind_cores_to_rank", one.entrypoint, *one.args])
+    assert list(ours.argv) == calls[0][0] and "--bind_cores_to_rank" in ours.argv
+    two = make_ctx((("n0", (0, 1)), ("n1", (0, 1))), workdir=str(tmp_path), hostfile=str(hostfile),
+                   bind_cores="auto")
+    [ours] = PDSH.real_commands(two)
+    calls = run_runner_main(ds, monkeypatch, ["--hostfile", str(hostfile), "--no_ssh_check", "--master_addr",
+                                              two.master_addr, "--master_port", str(two.master_port),
+                                              "--bind_cores_to_rank", two.entrypoint, *two.args])
+    # (the exports, argv[6], are the runner's environment's: test_pdsh_exports_and_command_match_runner_main)
+    assert list(ours.argv[7:]) == calls[0][0][7:] and "--bind_cores_to_rank" not in " ".join(ours.argv)
+    assert any("does not pass --bind_cores_to_rank" in w for w in PDSH.warnings(two))
+
+
 def test_pdsh_exports_aisc_exclusion():
     env = {"AISC_JOB_NAME": "j", "NCCL_IB_HCA": "mlx5", "NCCL_DEBUG": "WARN", "UCX_NET_DEVICES": "x",
            "UCX_TLS": "tcp", "PATH": "/bin"}
@@ -397,14 +420,15 @@ def test_pdsh_exports_aisc_exclusion():
     assert deepspeed_env_files({"DS_ENV_FILE": "my.env"}, "/h", "/w") == ["/h/my.env", "/w/my.env"]
 
 
-@pytest.mark.parametrize("flags", [[], ["--module", "--no_local_rank"]])
+@pytest.mark.parametrize("flags", [[], ["--module", "--no_local_rank"], ["--bind_cores_to_rank"]])
 def test_nossh_commands_match_runner_main(ds, monkeypatch, tmp_path, flags):
     """runner.main() with --no_ssh execs our second command, with its own environment."""
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("n0 slots=2\nn1 slots=4\n")
     monkeypatch.chdir(tmp_path)
     ctx = make_ctx((("n0", (0, 1)), ("n1", (0, 1))), workdir=str(tmp_path), hostfile=str(hostfile),
-                   num_gpus=2, module="--module" in flags, no_local_rank="--no_local_rank" in flags)
+                   num_gpus=2, module="--module" in flags, no_local_rank="--no_local_rank" in flags,
+                   bind_cores="auto" if "--bind_cores_to_rank" in flags else "off")
     cmds = NOSSH.real_commands(ctx)
     assert len(cmds) == 4
     for n in range(2):

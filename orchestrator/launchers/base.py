@@ -83,6 +83,8 @@ class LaunchContext:
             the path of ``launcher/launcher_helper.py`` in MPICH's command.
         force_multi: DeepSpeed's ``--force_multi``: take the runner's multi-node path (the
             launcher's real tool, its exports) even for one node.
+        bind_cores: the spec's ``bind_cores`` (``off``, ``auto``, or slot -> CPU list); ``auto`` is
+            DeepSpeed's ``--bind_cores_to_rank`` in the real tool's command where its runner passes it.
     """
 
     world: tuple[tuple[str, tuple[int, ...]], ...]
@@ -111,6 +113,7 @@ class LaunchContext:
     accelerator: str = "cuda"
     deepspeed_dir: str = ""
     force_multi: bool = False
+    bind_cores: Any = "off"
 
     @property
     def multi_node(self) -> bool:

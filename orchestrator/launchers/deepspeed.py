@@ -69,8 +69,10 @@ pdsh vs nossh — what reaches the ranks' environment besides ``launch.py``'s va
 Neither hosts a store: ``launch.py``'s rank 0 creates the c10d TCPStore at ``MASTER_ADDR:MASTER_PORT``
 (``TORCHELASTIC_USE_AGENT_STORE`` unset), so ``master_port`` must be free on node 0 at start.
 
-Not expressed (no ``LaunchContext`` field): ``--bind_cores_to_rank`` / ``--bind_core_list``
-(numactl prefix and ``OMP_NUM_THREADS``), ``--save_pid``, ``--enable_each_rank_log``,
+``bind_cores: auto`` is ``--bind_cores_to_rank`` in the real command where the runner passes it: to the
+local ``launch.py`` (nossh, one node), not through pdsh (``PDSHRunner.get_cmd`` drops it: the real tool's
+remote ranks are not pinned; :meth:`DeepSpeedLauncher.warnings` says so; orch's agents pin them).
+Not expressed (no ``LaunchContext`` field): ``--bind_core_list``, ``--save_pid``, ``--enable_each_rank_log``,
 ``--venv_script``.
 """
 
@@ -364,6 +366,10 @@ class DeepSpeedLauncher:
         if not self.uses_pdsh(ctx):
             return []
         out = []
+        if ctx.bind_cores == "auto":
+            out.append("bind_cores auto: DeepSpeed's pdsh runner does not pass --bind_cores_to_rank to the nodes' "
+                       "launch.py (multinode_runner.py PDSHRunner.get_cmd), so under the real tool the ranks would not "
+                       "be pinned; orch's agents pin them")
         words = [("interpreter", ctx.python), ("working directory", posixpath.normpath(ctx.workdir)),
                  ("entrypoint", ctx.entrypoint), ("master address", ctx.master_addr)]
         for what, word in words:
@@ -476,7 +482,7 @@ class DeepSpeedLauncher:
 
             python -u -m deepspeed.launcher.launch --world_info=B --master_addr=A --master_port=P
                 [--node_rank=n] [--no_python] [--module] [--no_local_rank]
-                --enable_each_rank_log=None --log_level=info
+                --enable_each_rank_log=None [--bind_cores_to_rank] --log_level=info
 
         (``--enable_each_rank_log=None`` appears because the runner tests the string ``"None"``
         for truth.) The script and its arguments follow (not included here).
@@ -496,7 +502,8 @@ class DeepSpeedLauncher:
         head += [f"--master_addr={ctx.master_addr}", f"--master_port={ctx.master_port}"]
         if not self.ssh:
             head.append(f"--node_rank={node_rank}")
-        return head + flags + ["--enable_each_rank_log=None", "--log_level=info"]
+        bind = ["--bind_cores_to_rank"] if ctx.bind_cores == "auto" else []  # runner.py main(), local branch
+        return head + flags + ["--enable_each_rank_log=None", *bind, "--log_level=info"]
 
     def real_commands(self, ctx: LaunchContext) -> list[RealCommand]:
         """Return what the real tool runs.
@@ -567,6 +574,8 @@ class DeepSpeedLauncher:
                 user.append("--no_python")
             if ctx.no_local_rank:
                 user.append("--no_local_rank")
+            if ctx.bind_cores == "auto":
+                user.append("--bind_cores_to_rank")
             user += [ctx.entrypoint, *ctx.args]
             out.append(RealCommand(where=host, argv=tuple(user), env=dict(ctx.exports)))
             out.append(RealCommand(where=host, argv=tuple(self.launch_argv(ctx, node_rank)

@@ -541,7 +541,8 @@ def _make_plan(spec: JobSpec, pool: ResourcePool, inputs: PlanInputs) -> JobPlan
         exclude=spec.exclude, num_nodes=spec.num_nodes, num_gpus=spec.num_gpus,
         launcher_args=tuple(spec.launcher_args), hostfile_is_pool=inputs.hostfile_is_pool, ssh_port=spec.ssh.port,
         pdsh_ssh_args_append=inputs.controller_env.get("PDSH_SSH_ARGS_APPEND"),
-        accelerator=inputs.accelerator, deepspeed_dir=inputs.deepspeed_dir, force_multi=spec.force_multi)
+        accelerator=inputs.accelerator, deepspeed_dir=inputs.deepspeed_dir, force_multi=spec.force_multi,
+        bind_cores=spec.bind_cores)
     log_dir = os.path.join(inputs.run_dir, "logs")
     metrics_dir = os.path.join(inputs.run_dir, "scratch")  # removed when the attempt ends (docs/housekeeping.md)
     ds_config, monitor_dir = _with_monitor(inputs.deepspeed_config, metrics_dir)

@@ -90,9 +90,11 @@ class JobSpec(BaseModel):
                                                "{pattern: {NAME: value}}, a shell pattern on the hostfile's host "
                                                "names (gpu-a100-*); every matching entry applies, in the order "
                                                "written, over env.")
-    bind_cores: BindCores = Field("off", description="Pin each rank to CPU cores: auto: the cores of its GPU's "
-                                  "NUMA node, shared among that node's ranks, OMP_NUM_THREADS set to their "
-                                  "number; a map slot -> CPU list ({0: \"0-11\"}); off: no pinning.")
+    bind_cores: BindCores = Field("off", description="Pin each rank to CPU cores (DeepSpeed's --bind_cores_to_rank), "
+                                  "OMP_NUM_THREADS set to their number: auto: on GPU nodes the physical cores of "
+                                  "its GPU's NUMA node, shared among that node's ranks; elsewhere the node's "
+                                  "physical cores split among its ranks; a map slot -> CPU list ({0: \"0-11\"}); "
+                                  "CPUs the agent may not use are dropped; off: no pinning.")
     workdir: str = "."
     python: str | None = None
     entrypoint: str
