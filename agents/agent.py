@@ -116,6 +116,7 @@ class Agent:
         self.keep_warm_s = float(start.get("keep_warm_s") or 0)
         self.template = template
         self.may_stay = False  # the attempt ended as the controller expects (stop, or done): warm may follow
+        self.gpus = None  # the ranks' GPUs: telemetry and faults (agents.gpu)
 
     # -- steps ------------------------------------------------------------------------------
 
@@ -123,6 +124,7 @@ class Agent:
         """Run the node to its end; return the agent's exit status (0: every rank exited 0)."""
         threading.Thread(target=self._heartbeats, name="heartbeats", daemon=True).start()
         self.metrics.create()
+        self._watch_gpus()
         self._start_exporter()
         if not self._host_store():
             return 1
@@ -153,6 +155,12 @@ class Agent:
             for error in watch.errors[:5]:
                 self.writer.send({"type": "warning", "message": f"checkpoint manifest on {self.node['host']}: {error}"})
 
+    def _watch_gpus(self) -> None:
+        """Per-rank GPU series and ``gpu_fault`` messages, polled every heartbeat (:mod:`agents.gpu`)."""
+        from . import gpu
+        self.gpus = gpu.start(self.base_env, self.node, self.writer.send, self.heartbeat_s,
+                              expect_gpus=node_accelerator(self.base_env) == "cuda")
+
     def _start_exporter(self) -> None:
         """Serve ``/metrics`` (docs/metrics.md) on the plan's port, 0 meaning any free port; a
         port in use is replaced by a free one and a warning. The port bound goes to the
@@ -163,7 +171,7 @@ class Agent:
         from .metrics import NodeCollector, serve
         job, _, attempt = self.attempt_id.rpartition(".")
         collector = NodeCollector(job, int(attempt), self.node["host"], self._rank_codes, self.metrics,
-                                  self.progress, restarts=int(attempt) - 1)
+                                  self.progress, restarts=int(attempt) - 1, gpus=self.gpus)
         addr = self.node.get("metrics_addr") or "0.0.0.0"
         try:
             try:
@@ -529,6 +537,8 @@ class Agent:
         if self._attach is not None:
             self._attach.close()
         self._store = None
+        if self.gpus is not None:
+            self.gpus.close()
         self._finished.set()
         if self._exporter is not None:
             self._exporter.shutdown()
