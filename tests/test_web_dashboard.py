@@ -2,7 +2,8 @@
 
 A real ``orch server`` on a free port, real DeepSpeed training jobs (examples/train_gpt.py on
 2 local "nodes", submitted with ``orch submit``) and Debian's Chromium driven by Selenium. The
-page is opened once and never reloaded while jobs come, train, succeed and fail.
+page is opened once and never reloaded while jobs come, train, succeed and fail. The last test has its own
+server: a job that fails once and is resumed, its goodput bar and its loss chart across both attempts.
 
 Screenshots go to ``$ORCH_TEST_ARTIFACTS`` (default ``<repo>/test-artifacts/``).
 """
@@ -118,6 +119,9 @@ def test_page_and_static_files_are_served(server, orch_m) -> None:
     js = httpx.get(f"{url}/static/app.js")
     assert js.status_code == 200 and "javascript" in js.headers["content-type"]
     assert "/api/jobs" in js.text
+    charts = httpx.get(f"{url}/static/charts.js")  # the charts' code, loaded before app.js
+    assert charts.status_code == 200 and "OrchCharts" in charts.text
+    assert page.text.index("/static/charts.js") < page.text.index("/static/app.js")
     css = httpx.get(f"{url}/static/style.css")
     assert css.status_code == 200 and css.headers["content-type"].startswith("text/css")
     assert httpx.get(f"{url}/static/nope.js").status_code == 404
@@ -322,3 +326,99 @@ def test_an_unknown_job_and_a_stopped_server_are_reported(server, browser) -> No
     wait_for(lambda: driver.find_element("id", "conn-lost").is_displayed(), 15, "the connection-lost notice")
     assert "connection lost" in driver.find_element("id", "conn-lost").text
     assert len(driver.find_elements("css selector", "tr.job-row")) == 2  # what was shown stays
+
+
+GOODPUT_JS = """const bar = document.querySelector('#goodput-bar');
+return {shown: bar.offsetParent !== null, width: bar.getBoundingClientRect().width,
+  ratio: document.querySelector('#goodput-ratio').textContent,
+  segments: [...bar.querySelectorAll('.gp-seg')].map(s => ({category: s.dataset.category, title: s.title,
+    width: s.getBoundingClientRect().width})),
+  legend: [...document.querySelectorAll('#goodput-legend .gp-item')].map(i => i.dataset.category)};"""
+LOSS_JS = """const svg = document.querySelector('svg#loss-chart');
+return {attempts: [...new Set([...svg.querySelectorAll('polyline.series')].map(p => p.dataset.attempt))],
+  points: [...svg.querySelectorAll('polyline.series')].map(p => [p.dataset.attempt, +p.dataset.points]),
+  legend: [...svg.querySelectorAll('.legend-item')].map(g => g.textContent),
+  markers: [...svg.querySelectorAll('.resume-marker')].map(m => ({attempt: m.dataset.attempt, step: +m.dataset.step,
+    label: m.querySelector('text').textContent}))};"""
+
+
+def test_a_resumed_job_shows_its_goodput_bar_and_its_loss_across_attempts(browser, write_spec, hostfile,
+                                                                          tmp_path) -> None:
+    # its own server and state (the module's server is stopped by the test before, and its job list counted)
+    (tmp_path / "state").mkdir()
+    orch = Orch(tmp_path / "state")
+    spec = write_spec(name="web-resume", hostfile=str(hostfile("node-0 slots=1\nnode-1 slots=1\n")),
+                      launcher="pdsh", workdir=str(EXAMPLES), entrypoint="train_gpt.py",
+                      deepspeed_config=str(EXAMPLES / "ds_zero2.json"),
+                      args=TINY + ["--steps", "60", "--checkpoint-interval", "10", "--fail-at-step", "25",
+                                   "--fail-rank", "1"],
+                      restart={"max_restarts": 1, "backoff_seconds": 0}, stop_grace_seconds=5,
+                      env={"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"})
+    with running_server(orch) as (proc, url):
+        driver = browser
+        driver.get(proc.login_url)
+        _severe_console_errors(driver)  # (drained: the module's stopped server's refused requests)
+        job_id = orch.json("submit", str(spec), check=True)["id"]
+        driver.get(f"{url}/#/jobs/{job_id}")
+        wait_for(lambda: _js(driver, JOB_STATE_JS) == "SUCCEEDED", 600, "SUCCEEDED on the page", interval=0.5)
+        wait_for(lambda: (d := orch.json("status", job_id))["attempts"][-1]["stopped_at"] and d["owner"] is None,
+                 30, "the last attempt to have stopped")
+        detail = orch.json("status", job_id)
+        assert [a["state"] for a in detail["attempts"]] == ["FAILED", "SUCCEEDED"], detail["attempts"]
+        tag = detail["attempts"][1]["resume_tag"]
+        resumed = next(a["resume_step"] for a in detail["goodput"]["attempts"] if a["number"] == 2)
+        assert tag and resumed == int(tag.rsplit("_", 1)[1]) and 0 < resumed <= 25, (tag, resumed)
+
+        # the goodput bar: a segment per category with time, productive the widest part, the ratio as text
+        g = orch.http().get(f"{url}/api/jobs/{job_id}/goodput").json()
+        shown = wait_for(lambda: (v := _js(driver, GOODPUT_JS))["ratio"]
+                         and _near(v["ratio"], r"effective ([\d.]+)% of ", 100 * g["effective_ratio"]) and v,
+                         10, "the final goodput on the page")
+        assert shown["shown"] and shown["width"] > 0, shown
+        assert shown["legend"] == list(g["seconds"]), shown["legend"]
+        segments = {s["category"]: s for s in shown["segments"]}
+        assert set(segments) == {c for c, v in g["seconds"].items() if v > 0}, (segments, g["seconds"])
+        for category in ("startup", "productive", "failure_detection", "restart_gap"):
+            assert category in segments, (category, g["seconds"])
+        assert segments["productive"]["width"] > 0
+        title = segments["productive"]["title"]  # its seconds and share of the wall, on hover
+        assert _near(title, r"^productive: ([\d.]+) s \(", g["seconds"]["productive"]), title
+        assert _near(title, r" s \(([\d.]+)%\) · ", g["percent"]["productive"]), title
+        assert f"{g['lost_steps']} lost step" in shown["ratio"] and g["lost_steps"] > 0, (shown["ratio"], g)
+
+        # the loss chart: both attempts on one step axis, a colour each, one resume marker at the resumed step
+        api = {n: orch.http().get(f"{url}/api/jobs/{job_id}/progress?attempt={n}").json()["points"] for n in (1, 2)}
+        loss = wait_for(lambda: (v := _js(driver, LOSS_JS))["attempts"] == ["1", "2"] and v, 10,
+                        "both attempts on the loss chart")
+        for n in (1, 2):  # every reported loss of each attempt is drawn (a point with no loss is not)
+            with_loss = [p for p in api[n] if p.get("loss") is not None]
+            assert sum(p for a, p in loss["points"] if a == str(n)) == len(with_loss) > 0, (n, loss["points"])
+        assert loss["legend"] == ["attempt 1", "attempt 2"]
+        assert loss["markers"] == [{"attempt": "2", "step": resumed, "label": f"attempt 2 from {tag}"}]
+        colors = _js(driver, "return [...new Set([...document.querySelectorAll('svg#loss-chart polyline.series')]"
+                             ".map(p => p.dataset.attempt + ' ' + p.getAttribute('stroke')))]")
+        assert len(colors) == 2 and len({c.split()[1] for c in colors}) == 2, colors
+        for sel in ("#goodput-bar", "#goodput-ratio", "svg#loss-chart", "svg#loss-chart .resume-marker text"):
+            assert driver.find_element("css selector", sel).is_displayed(), sel
+
+        # a screenshot of the page: a PNG, kept with the other screenshots too
+        path = tmp_path / f"dashboard-resumed-{job_id}.png"
+        height = _js(driver, "return Math.max(document.documentElement.scrollHeight, document.body.scrollHeight)")
+        driver.set_window_size(1280, min(max(900, height + 140), 4000))
+        try:
+            assert driver.save_screenshot(str(path))
+        finally:
+            driver.set_window_size(1280, 900)
+        data = path.read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000, len(data)
+        width, page_height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+        assert width >= 1000 and page_height >= 800, (width, page_height)
+        _screenshot(driver, f"dashboard-resumed-{job_id}.png")
+        assert _severe_console_errors(driver) == []
+    assert_no_leftovers(job_id)
+
+
+def _near(text: str, pattern: str, value: float) -> bool:
+    """``pattern``'s number in ``text`` is ``value`` as shown with one decimal."""
+    m = re.search(pattern, text)
+    return m is not None and abs(float(m.group(1)) - value) <= 0.051

@@ -8,11 +8,8 @@
   const LOG_LINES = 50;
   const LOG_BYTES = 16384;
   const PROGRESS_PAGE = 20000;
-  const MAX_DRAWN = 2500;            // points drawn per series (all are counted)
-  const COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
-                  "#bcbd22", "#17becf"];
   const TERMINAL = new Set(["SUCCEEDED", "FAILED", "CANCELLED"]);
-  const SVGNS = "http://www.w3.org/2000/svg";
+  const {color, drawChart} = window.OrchCharts;   // charts.js
 
   const S = {
     jobId: null,          // the open job (from the hash), or null for the list
@@ -20,7 +17,7 @@
     keys: {},             // last rendered input of each section, to skip identical re-renders
     chartAttempt: null,   // attempt shown by charts and logs
     attemptPinned: false, // the user picked one (else: follow the current attempt)
-    prog: null,           // {job, attempt, lastId, byRank: Map<rank, point[]>, done, version}
+    progs: new Map(),     // attempt number -> {job, attempt, lastId, byRank: Map<rank, point[]>, done, version}
     logRank: null,
     logPinned: false,
     logDone: null,        // key of a log read to its end after its attempt stopped
@@ -46,17 +43,6 @@
       if (c === null || c === undefined || c === false) continue;
       node.append(c instanceof Node ? c : document.createTextNode(String(c)));
     }
-    return node;
-  }
-
-  function svg(tag, attrs, ...children) {
-    const node = document.createElementNS(SVGNS, tag);
-    for (const [k, v] of Object.entries(attrs || {})) {
-      if (v === null || v === undefined) continue;
-      if (k === "text") node.textContent = v;
-      else node.setAttribute(k, String(v));
-    }
-    for (const c of children.flat()) if (c) node.append(c);
     return node;
   }
 
@@ -130,19 +116,10 @@
       el("div", {class: "step-bar"}, el("div", {style: `width:${pct.toFixed(1)}%`})));
   }
 
-  function fmtTick(v, step) {
-    if (Math.abs(v) >= 1e5) return v.toExponential(1);
-    let digits = 0;   // as many decimals as the tick step needs (0.25 -> 2)
-    while (digits < 6 && Math.abs(Math.round(step * 10 ** digits) - step * 10 ** digits) > 1e-6) digits++;
-    return v.toFixed(digits);
-  }
-
   function badge(state, prefix, extra) {
     const cls = prefix === "state" ? `state-${state}` : `st-${String(state).replace(/\s+/g, "-")}`;
     return el("span", {class: `badge ${cls} ${extra || ""}`.trim(), "data-state": state, text: state});
   }
-
-  function color(rank) { return COLORS[rank % COLORS.length]; }
 
   function causeTail(cause) {
     if (!cause) return null;
@@ -194,7 +171,7 @@
       S.detail = null;
       S.chartAttempt = null;
       S.attemptPinned = false;
-      S.prog = null;
+      S.progs = new Map();
       S.logRank = null;
       S.logPinned = false;
       S.logDone = null;
@@ -203,11 +180,13 @@
       $("#job-body").hidden = true;
       $("#job-missing").hidden = true;
       for (const sel of ["#job-header", "#attempts-table tbody", "#ranks-table tbody", "#checkpoints-table tbody",
-                         "#nodes", "#loss-chart",
+                         "#nodes", "#loss-chart", "#goodput-bar", "#goodput-legend",
                          "#rate-chart", "#chart-attempt", "#log-rank"]) {
         $(sel).replaceChildren();
       }
-      for (const sel of ["#chart-info", "#log-info", "#nodes-attempt", "#ranks-attempt"]) $(sel).textContent = "";
+      for (const sel of ["#chart-info", "#goodput-ratio", "#log-info", "#nodes-attempt", "#ranks-attempt"]) {
+        $(sel).textContent = "";
+      }
     }
     $("#jobs-view").hidden = jobId !== null;
     $("#job-view").hidden = jobId === null;
@@ -311,6 +290,7 @@
       S.attemptPinned = false;
     }
     renderHeader(detail);
+    renderGoodput(detail.goodput);
     renderAttempts(detail);
     renderNodes(detail);
     renderRanks(detail);
@@ -359,6 +339,43 @@
     for (const step of d.next_steps || []) {  // what to do now: the command that continues the job
       header.append(el("div", {class: "next-step", style: "flex-basis: 100%"}, el("b", {text: "next: "}), step));
     }
+  }
+
+  // what each goodput category means, for the legend's and the segments' titles (docs/goodput.md)
+  const GOODPUT_MEANS = {
+    queued: "submitted, waiting for its first attempt",
+    startup: "provisioning, preflight, rank start to the first step",
+    productive: "training steps that were kept",
+    checkpoint: "checkpoint saves as orch sees them",
+    lost_work: "steps done, then thrown away by a resume from an earlier step",
+    failure_detection: "a failed attempt's last step to its end",
+    wind_down: "an ended attempt's last step to its end (final saves, shutdown)",
+    since_last_step: "a running attempt's newest step to now",
+    restart_gap: "an attempt's end to the next attempt's start",
+  };
+
+  function renderGoodput(g) {
+    // one bar, stacked by category (each segment's width its share of the wall time), a legend and the ratio
+    if (!changed("goodput", g || null)) return;
+    $("#goodput-panel").hidden = !g;
+    if (!g) return;
+    const wall = g.wall_seconds || 0;
+    const cats = Object.keys(g.seconds || {});
+    const secs = (c) => g.seconds[c] || 0;
+    const pct = (c) => (g.percent && g.percent[c] !== undefined ? g.percent[c] : wall > 0 ? 100 * secs(c) / wall : 0);
+    const tip = (c) => `${c}: ${secs(c).toFixed(1)} s (${pct(c).toFixed(1)}%) · ${GOODPUT_MEANS[c] || ""}`;
+    $("#goodput-bar").replaceChildren(...cats.filter((c) => secs(c) > 0).map((c) =>
+      el("div", {class: `gp-seg gp-${c}`, "data-category": c, "data-seconds": secs(c).toFixed(3),
+                 style: `width:${pct(c).toFixed(3)}%`, title: tip(c)})));
+    $("#goodput-legend").replaceChildren(...cats.map((c) =>
+      el("span", {class: `gp-item${secs(c) > 0 ? "" : " muted"}`, "data-category": c, title: tip(c)},
+        el("span", {class: `gp-swatch gp-${c}`}),
+        `${c.replace(/_/g, " ")} ${secs(c) < 60 ? `${secs(c).toFixed(1)}s` : fmtDur(secs(c))} (${pct(c).toFixed(1)}%)`)));
+    const ratio = 100 * (g.effective_ratio || 0);
+    $("#goodput-ratio").textContent = `effective ${ratio.toFixed(1)}% of ${fmtDur(wall)} wall` +
+      (g.lost_steps ? ` · ${g.lost_steps} lost step${g.lost_steps === 1 ? "" : "s"}` : "") +
+      (g.running ? " · so far" : "");
+    $("#goodput-ratio").setAttribute("data-ratio", g.effective_ratio);
   }
 
   function renderAttempts(d) {
@@ -471,19 +488,21 @@
   // ------------------------------------------------------------------ progress and charts
 
   async function refreshProgress(d) {
-    const attempt = S.chartAttempt;
-    if (!attempt) return;
-    if (!S.prog || S.prog.job !== d.id || S.prog.attempt !== attempt) {
-      S.prog = {job: d.id, attempt, lastId: 0, byRank: new Map(), done: false, version: 0};
-    }
-    const prog = S.prog;
-    const rec = (d.attempts || []).find((a) => a.number === attempt);
-    const stopped = !!(rec && rec.stopped_at);
-    if (!prog.done) {
+    // every attempt's reported points (read once after it stopped, then kept): the loss chart shows them all,
+    // the rate chart the chosen attempt's
+    const attempts = d.attempts || [];
+    for (const rec of attempts) {
+      let prog = S.progs.get(rec.number);
+      if (!prog || prog.job !== d.id) {
+        prog = {job: d.id, attempt: rec.number, lastId: 0, byRank: new Map(), done: false, version: 0};
+        S.progs.set(rec.number, prog);
+      }
+      if (prog.done) continue;
+      const stopped = !!rec.stopped_at;
       for (let page = 0; page < 20; page++) {
-        const res = await getJSON(`/api/jobs/${encodeURIComponent(d.id)}/progress?attempt=${attempt}` +
+        const res = await getJSON(`/api/jobs/${encodeURIComponent(d.id)}/progress?attempt=${rec.number}` +
                                   `&since=${prog.lastId}&limit=${PROGRESS_PAGE}`);
-        if (S.prog !== prog) return;        // switched attempt or job meanwhile
+        if (S.progs.get(rec.number) !== prog || S.jobId !== d.id) return;   // switched job meanwhile
         for (const p of res.points) {
           if (!prog.byRank.has(p.rank)) prog.byRank.set(p.rank, []);
           prog.byRank.get(p.rank).push(p);
@@ -494,27 +513,58 @@
       }
       if (stopped) prog.done = true;        // one full read after the attempt stopped
     }
+    const rec = attempts.find((a) => a.number === S.chartAttempt);
     const t0 = rec ? (rec.running_at || rec.created_at) : null;
-    if (changed("charts", [prog.job, prog.attempt, prog.version, t0])) renderCharts(prog, t0);
+    const markers = resumeMarkers(d);
+    const versions = attempts.map((a) => (S.progs.get(a.number) || {}).version);
+    if (changed("charts", [d.id, S.chartAttempt, versions, t0, markers])) renderCharts(d, t0, markers);
   }
 
-  function renderCharts(prog, t0) {
-    const ranks = [...prog.byRank.keys()].sort((a, b) => a - b);
+  function resumeMarkers(d) {
+    // one per attempt after the first, at the step it resumed from: goodput's resume_step (docs/goodput.md),
+    // else the number the tag ends with, else 0 (a fresh start)
+    const known = new Map(((d.goodput || {}).attempts || []).map((a) => [a.number, a.resume_step]));
+    return (d.attempts || []).filter((a) => a.number > 1).map((a) => {
+      const m = /(\d+)$/.exec(a.resume_tag || "");
+      const step = known.has(a.number) && known.get(a.number) !== null ? known.get(a.number) :
+        m ? Number(m[1]) : 0;
+      return {x: step, attempt: a.number, label: `attempt ${a.number} from ${a.resume_tag || "a fresh start"}`};
+    });
+  }
+
+  function lossPoints(pts) {
+    const loss = [];
+    let nonFinite = 0;
+    for (const p of pts) {
+      const y = num(p.loss);
+      if (y === null) continue;
+      if (!isFinite(y)) { nonFinite++; continue; }
+      loss.push([p.step, y]);
+    }
+    return {loss, nonFinite};
+  }
+
+  function renderCharts(d, t0, markers) {
+    const numbers = (d.attempts || []).map((a) => a.number).filter((n) => S.progs.has(n));
+    const several = numbers.length > 1;   // then: a colour per attempt (else per rank)
     const lossSeries = [];
+    let nonFinite = 0;
+    for (const n of numbers) {
+      const prog = S.progs.get(n);
+      for (const rank of [...prog.byRank.keys()].sort((a, b) => a - b)) {
+        const got = lossPoints(prog.byRank.get(rank));
+        nonFinite += n === S.chartAttempt ? got.nonFinite : 0;
+        lossSeries.push({rank, attempt: n, pts: got.loss, color: several ? color(n - 1) : undefined,
+                         title: `attempt ${n} · rank ${rank}`});
+      }
+    }
+    const prog = S.progs.get(S.chartAttempt);
+    const ranks = prog ? [...prog.byRank.keys()].sort((a, b) => a - b) : [];
     const rateSeries = [];
     let total = 0;
-    let nonFinite = 0;
     for (const rank of ranks) {
       const pts = prog.byRank.get(rank);
       total += pts.length;
-      const loss = [];
-      for (const p of pts) {
-        const y = num(p.loss);
-        if (y === null) continue;
-        if (!isFinite(y)) { nonFinite++; continue; }
-        loss.push([p.step, y]);
-      }
-      lossSeries.push({rank, pts: loss});
       const rate = [];
       const base = t0 || (pts.length ? pts[0].at : 0);
       for (let i = 1; i < pts.length; i++) {
@@ -529,117 +579,19 @@
       ? `${total} reported points · step ${Math.min(...last)}–${Math.max(...last)}` +
         (nonFinite ? ` · ${nonFinite} non-finite losses not drawn` : "")
       : "no reported steps yet";
+    $("#loss-caption").textContent = several
+      ? "loss vs step, every attempt (a colour each; dashed: where an attempt resumed from)"
+      : "loss per rank vs step";
     drawChart($("#loss-chart"), lossSeries, {
       xLabel: "step", yLabel: "loss", xInteger: true,
-      empty: "waiting for reported steps…",
+      empty: "waiting for reported steps…", markers,
+      legend: several ? numbers.map((n) => ({label: `attempt ${n}`, color: color(n - 1),
+                                             attrs: {"data-attempt": n}})) : undefined,
     });
     drawChart($("#rate-chart"), rateSeries, {
       xLabel: "time (s)", yLabel: "steps/s", yZero: true, xTime: true,
       empty: "needs two reports of a rank…",
     });
-  }
-
-  const TIME_STEPS = [1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 14400, 21600, 43200, 86400];
-
-  function niceScale(lo, hi, count, opts) {
-    if (!isFinite(lo) || !isFinite(hi)) { lo = 0; hi = 1; }
-    if (hi - lo < 1e-12) {
-      const pad = Math.abs(hi) > 1e-9 ? Math.abs(hi) * 0.1 : 1;
-      lo -= pad; hi += pad;
-      if (opts.zero && lo < 0 && hi > 0 && lo + pad >= 0) lo = 0;
-    }
-    const raw = (hi - lo) / count;
-    let step;
-    if (opts.time) {
-      step = TIME_STEPS.find((s) => s >= raw) || Math.ceil(raw / 86400) * 86400;
-    } else {
-      const mag = Math.pow(10, Math.floor(Math.log10(raw)));
-      const norm = raw / mag;
-      step = (norm <= 1 ? 1 : norm <= 2 ? 2 : norm <= 2.5 ? 2.5 : norm <= 5 ? 5 : 10) * mag;
-      if (opts.integer && !Number.isInteger(step)) step = step < 1 ? 1 : step < 2 ? 2 : 5;
-    }
-    const min = Math.floor(lo / step + 1e-9) * step;
-    const max = Math.ceil(hi / step - 1e-9) * step;
-    const ticks = [];
-    for (let v = min; v <= max + step * 1e-6; v += step) ticks.push(Math.round(v / step) * step);
-    return {min, max: max > min ? max : min + step, step, ticks};
-  }
-
-  function fmtSeconds(v) {
-    if (v < 60) return `${Math.round(v)}`;
-    const s = Math.round(v);
-    if (s < 3600) return `${Math.floor(s / 60)}:${pad2(s % 60)}`;
-    return `${Math.floor(s / 3600)}:${pad2(Math.floor((s % 3600) / 60))}:${pad2(s % 60)}`;
-  }
-
-  function drawChart(node, series, opts) {
-    const W = 600, H = 260, L = 56, R = 14, B = 36;
-    const ITEM = 64, perRow = Math.max(1, Math.floor((W - L - R) / ITEM));
-    const legendRows = Math.ceil(series.length / perRow);
-    const T = 10 + Math.max(1, legendRows) * 14;
-    const pw = W - L - R, ph = H - T - B;
-    const all = series.flatMap((s) => s.pts);
-    const parts = [];
-    if (!all.length) {
-      parts.push(svg("rect", {class: "frame", x: L, y: T, width: pw, height: ph, fill: "none", stroke: "currentColor",
-                              "stroke-opacity": 0.15}));
-      parts.push(svg("text", {class: "empty", x: L + pw / 2, y: T + ph / 2, "text-anchor": "middle", text: opts.empty}));
-    } else {
-      let x0 = Infinity, x1 = -Infinity, y0 = Infinity, y1 = -Infinity;
-      for (const [x, y] of all) {
-        if (x < x0) x0 = x; if (x > x1) x1 = x;
-        if (y < y0) y0 = y; if (y > y1) y1 = y;
-      }
-      if (opts.yZero) y0 = Math.min(0, y0);
-      const xs = niceScale(x0, x1, 6, {integer: opts.xInteger, time: opts.xTime});
-      const ys = niceScale(y0, y1, 5, {zero: opts.yZero});
-      const px = (x) => L + ((x - xs.min) / (xs.max - xs.min)) * pw;
-      const py = (y) => T + ph - ((y - ys.min) / (ys.max - ys.min)) * ph;
-      const grid = svg("g", {class: "grid"});
-      for (const v of ys.ticks) {
-        grid.append(svg("line", {class: "gridline", x1: L, x2: L + pw, y1: py(v), y2: py(v)}));
-        grid.append(svg("text", {class: "tick y-tick", x: L - 6, y: py(v) + 4, "text-anchor": "end",
-                                 text: fmtTick(v, ys.step)}));
-      }
-      for (const v of xs.ticks) {
-        grid.append(svg("line", {class: "gridline", x1: px(v), x2: px(v), y1: T, y2: T + ph}));
-        grid.append(svg("text", {class: "tick x-tick", x: px(v), y: T + ph + 15, "text-anchor": "middle",
-                                 text: opts.xTime ? fmtSeconds(v) : fmtTick(v, xs.step)}));
-      }
-      parts.push(grid);
-      parts.push(svg("line", {class: "axis x-axis", x1: L, x2: L + pw, y1: T + ph, y2: T + ph}));
-      parts.push(svg("line", {class: "axis y-axis", x1: L, x2: L, y1: T, y2: T + ph}));
-      const lines = svg("g", {class: "series-group"});
-      for (const s of series) {
-        const stride = Math.max(1, Math.ceil(s.pts.length / MAX_DRAWN));
-        const drawn = s.pts.filter((_p, i) => i % stride === 0 || i === s.pts.length - 1);
-        const coords = drawn.map(([x, y]) => `${px(x).toFixed(1)},${py(y).toFixed(1)}`).join(" ");
-        const last = s.pts[s.pts.length - 1];
-        lines.append(svg("polyline", {class: "series", "data-rank": s.rank, "data-points": s.pts.length,
-                                      "data-last-x": last ? last[0] : "", points: coords, stroke: color(s.rank)}));
-        if (last) {
-          lines.append(svg("circle", {class: "last-point", "data-rank": s.rank, cx: px(last[0]).toFixed(1),
-                                      cy: py(last[1]).toFixed(1), r: 2.5, fill: color(s.rank)}));
-        }
-      }
-      parts.push(lines);
-    }
-    parts.push(svg("text", {class: "axis-label", x: L + pw / 2, y: H - 4, "text-anchor": "middle", text: opts.xLabel}));
-    parts.push(svg("text", {class: "axis-label", x: 12, y: T + ph / 2, "text-anchor": "middle",
-                            transform: `rotate(-90 12 ${T + ph / 2})`, text: opts.yLabel}));
-    // legend: above the plot, right-aligned, wrapping into rows
-    const legend = svg("g", {class: "legend"});
-    series.forEach((s, i) => {
-      const row = Math.floor(i / perRow);
-      const inRow = Math.min(perRow, series.length - row * perRow);
-      const x = L + pw - inRow * ITEM + (i % perRow) * ITEM, y = 4 + row * 14;
-      legend.append(svg("g", {class: "legend-item", "data-rank": s.rank},
-        svg("rect", {x, y: y + 4, width: 14, height: 3, fill: color(s.rank)}),
-        svg("text", {x: x + 18, y: y + 9, text: `rank ${s.rank}`})));
-    });
-    parts.push(legend);
-    node.replaceChildren(...parts);
-    node.setAttribute("data-series", series.length);
   }
 
   // ------------------------------------------------------------------ log tail
