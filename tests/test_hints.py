@@ -67,3 +67,9 @@ def test_other_failures_and_cancels_resume_from_the_last_checkpoint() -> None:
         assert step.startswith("resume from the last complete checkpoint: orch resume job-1"), kind
     (step,) = next_steps(_detail("CANCELLED", {"kind": "cancelled"}))
     assert step == "resume it from its last complete checkpoint: orch resume job-1"
+
+
+def test_a_gpu_fault_leaves_its_node_out_of_the_resume_and_says_to_check_it() -> None:
+    (step,) = next_steps(_detail("FAILED", {"kind": "gpu_fault", "node": "w2", "gpu": "0000:17:00.0", "xid": 79}))
+    assert step.startswith("resume without the node whose GPU failed: orch resume job-1 --exclude w2 ")
+    assert "orch doctor SPEC before using w2 again" in step

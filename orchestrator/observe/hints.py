@@ -38,6 +38,11 @@ def next_steps(detail: dict[str, Any]) -> list[str]:
         return [f"resume without the lost node: orch resume {job} --exclude {hosts} (a spare host of the hostfile "
                 "takes its place; without one the job continues on the nodes left); once it is back, "
                 f"orch resume {job} uses it again"]
+    if kind == "gpu_fault":
+        host = cause.get("node") or "HOST"
+        return [f"resume without the node whose GPU failed: orch resume {job} --exclude {host} (a spare host of the "
+                f"hostfile takes its place); have the GPU checked (nvidia-smi -q, the driver's log: "
+                f"the cause names the Xid or ECC error), then orch doctor SPEC before using {host} again"]
     if kind == "startup_timeout":
         return [f"free what the ranks wait on (named above: a build lock to delete, a master that is not up), then: "
                 f"orch resume {job}; if the script reports no step at all (no agents.report, no DeepSpeed engine, no "

@@ -194,7 +194,7 @@ def node_rows(store: Store, attempt: AttemptRecord, cause: dict | None) -> list[
             row.update(state="running", metrics_port=ev.data.get("metrics_port"))
     lost = set()
     for c in (cause or {}, (cause or {}).get("first_symptom") or {}):
-        if c.get("kind") == "node_lost":
+        if c.get("kind") in ("node_lost", "gpu_fault"):  # a GPU's fatal error: the node is out, as a lost one
             lost.update(h for h in [c.get("node"), *(c.get("nodes") or [])] if h)
     unfit = set((cause or {}).get("nodes") or []) if (cause or {}).get("kind") == "preflight_failed" else set()
     for row in rows.values():

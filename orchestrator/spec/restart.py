@@ -8,7 +8,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 __all__ = ["RestartPolicy", "RETRY_CAUSES", "CONTROLLER_CAUSES", "CONTROLLER_RESTARTS"]
 
-RETRY_CAUSES = ("rank_exit", "node_lost", "no_progress", "startup_timeout", "provision_failed", "preflight_failed")
+RETRY_CAUSES = ("rank_exit", "node_lost", "gpu_fault", "no_progress", "startup_timeout", "provision_failed",
+                "preflight_failed")
 #: Causes that are orch's own trouble, not the job's: a controller that stalled (its agents' lease ran out)
 #: or died. They are restarted whatever the policy says, and do not count against ``max_restarts``.
 CONTROLLER_CAUSES = ("controller_stalled", "controller_lost")
@@ -31,10 +32,12 @@ class RestartPolicy(BaseModel):
     backoff_seconds: float = Field(5.0, ge=0, le=3600, description="Wait before the first restart.")
     backoff_factor: float = Field(2.0, ge=1, le=100, description="Each further restart waits this much longer.")
     max_backoff_seconds: float = Field(300.0, ge=0, le=86400, description="The longest wait.")
-    retry_on: list[Literal["rank_exit", "node_lost", "no_progress", "startup_timeout", "provision_failed",
-                           "controller_lost", "preflight_failed"]] = Field(
-        default_factory=lambda: ["rank_exit", "node_lost", "no_progress", "startup_timeout", "controller_lost"],
-        description="Causes of failure that are restarted. The controller's own trouble (controller_stalled, "
+    retry_on: list[Literal["rank_exit", "node_lost", "gpu_fault", "no_progress", "startup_timeout",
+                           "provision_failed", "controller_lost", "preflight_failed"]] = Field(
+        default_factory=lambda: ["rank_exit", "node_lost", "gpu_fault", "no_progress", "startup_timeout",
+                                 "controller_lost"],
+        description="Causes of failure that are restarted (gpu_fault: a GPU's fatal Xid or double-bit ECC error). "
+                    "The controller's own trouble (controller_stalled, "
                     "controller_lost: by the next orch server, for jobs an orch server ran) is restarted "
                     "whatever this says.")
     retry_exit_codes: list[int] | None = Field(None, description="Only rank exits with these codes are "

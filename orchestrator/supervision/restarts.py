@@ -21,13 +21,8 @@ __all__ = ["Restarts", "NODE_CAUSES"]
 
 #: Causes that are a node's, not the job's: ``exclude_failed_nodes`` leaves the node out of the restart. A
 #: ``gpu_fault`` (a GPU of the node reported a fatal Xid or a double-bit ECC error, agents/gpu.py) is a node
-#: lost to its hardware: restarted when the policy retries ``node_lost`` (``retry_on`` lists no gpu_fault).
+#: lost to its hardware (restarted when ``retry_on`` has ``gpu_fault``, as by default).
 NODE_CAUSES = ("node_lost", "gpu_fault")
-
-
-def _as_policy_sees(cause: dict) -> dict:
-    """The cause as ``RestartPolicy.retries`` takes it: a ``gpu_fault`` as the ``node_lost`` it amounts to."""
-    return {**cause, "kind": "node_lost"} if cause.get("kind") == "gpu_fault" else cause
 
 
 class Restarts:
@@ -82,7 +77,7 @@ class Restarts:
                     return False
                 delay = min(policy.backoff(0), 5.0)
             else:
-                if policy.max_restarts == 0 or not policy.retries(_as_policy_sees(cause)):
+                if policy.max_restarts == 0 or not policy.retries(cause):
                     return False
                 if done >= policy.max_restarts:
                     self.store.add_event(job.id, job.attempt, "warning", {
