@@ -494,7 +494,7 @@ def main(argv=None) -> int:
         loss_sum = 0.0
         for _ in range(gas):
             x, y = sampler.next_batch(micro)
-            loss = engine(x, y)
+            loss = engine(x.to(engine.device), y.to(engine.device))  # (the accelerator's device; CPU: no copy)
             engine.backward(loss)
             engine.step()
             loss_sum += loss.item()
@@ -550,7 +550,7 @@ def evaluate(engine, holdout, args, micro, step, global_rank) -> float:
     total, n = 0.0, 0
     with torch.no_grad():
         for x, y in eval_batches(holdout, args.eval_batches, micro, args.seq_len):
-            total += engine(x, y).item()
+            total += engine(x.to(engine.device), y.to(engine.device)).item()
             n += 1
     engine.train()
     val = total / max(n, 1)

@@ -16,6 +16,24 @@ import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+#: The skip reason of every test in tests/gpu on a machine where torch sees no CUDA device (each module's
+#: docstring names its CPU form in the main suite). CI has no GPU; ``pytest tests/gpu`` runs them where one is.
+NO_CUDA = "no CUDA device (tests/gpu run only where torch.cuda.is_available())"
+GPU_TESTS = ROOT / "tests" / "gpu"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip every tests/gpu test, with the one reason :data:`NO_CUDA`, where torch sees no CUDA device."""
+    gpu_items = [item for item in items if GPU_TESTS in Path(item.path).parents]
+    if not gpu_items:
+        return
+    import torch
+    if torch.cuda.is_available():
+        return
+    for item in gpu_items:
+        item.add_marker(pytest.mark.skip(reason=NO_CUDA))
 SCRIPTS = ROOT / "tests" / "scripts"
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")

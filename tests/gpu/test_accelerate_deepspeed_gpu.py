@@ -30,12 +30,7 @@ import pytest
 import torch
 from conftest import ROOT, assert_no_leftovers
 
-pytestmark = [
-    pytest.mark.integration,
-    pytest.mark.skipif(not torch.cuda.is_available(),
-                       reason="no CUDA device: this script's Accelerate finds no process-group backend without one "
-                              "(the CPU forms run in tests/test_unchanged_scripts.py and tests/test_native_resume.py)"),
-]
+pytestmark = pytest.mark.integration  # skipped without CUDA by tests/conftest.py (NO_CUDA)
 
 EXAMPLES = ROOT / "examples"
 

@@ -12,11 +12,7 @@ import pytest
 import torch
 from conftest import assert_no_leftovers
 
-pytestmark = [
-    pytest.mark.integration,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device (the CPU form runs in "
-                                                             "tests/test_doctor.py)"),
-]
+pytestmark = pytest.mark.integration  # skipped without CUDA by tests/conftest.py (NO_CUDA)
 
 
 def test_doctor_reports_cuda_nccl_and_the_gpus(orch, hostfile) -> None:

@@ -16,11 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from agents import gpu
 
-pytestmark = [
-    pytest.mark.integration,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device (the CPU form runs in "
-                                                             "tests/test_gpu_telemetry.py)"),
-]
+pytestmark = pytest.mark.integration  # skipped without CUDA by tests/conftest.py (NO_CUDA)
 
 # Holds 1 GiB on cuda:LOCAL_RANK until the test says stop (a file), at most 120 s.
 SCRIPT = textwrap.dedent("""

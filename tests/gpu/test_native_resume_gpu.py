@@ -18,11 +18,7 @@ from conftest import ROOT, assert_no_leftovers
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import helpers_resume
 
-pytestmark = [
-    pytest.mark.integration,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device (the CPU form runs in "
-                                                             "tests/test_native_resume.py)"),
-]
+pytestmark = pytest.mark.integration  # skipped without CUDA by tests/conftest.py (NO_CUDA)
 
 SCRIPTS = ROOT / "tests" / "scripts"
 
