@@ -1,6 +1,7 @@
 """A 1-GPU ZeRO-2 job under orch with NCCL (examples/train_gpt.py, examples/ds_zero2.json), its rank's real
 NVML series scraped while it trains. The CPU form is the main suite's training tests over gloo
-(tests/test_training.py) and the fake-NVML series (tests/test_gpu_telemetry.py).
+(tests/test_training.py) and the fake-NVML series (tests/test_gpu_telemetry.py). Also ``bind_cores: auto``
+with the real nvidia-smi and sysfs (the CPU form: tests/test_bind_cores.py's fake sysfs tree).
 
 Never run where it was written (no GPU lent): the first machine with CUDA that runs ``pytest tests/gpu`` is its
 first run.
@@ -58,3 +59,20 @@ def test_zero2_on_one_gpu_runs_over_nccl_and_serves_its_ranks_gpu_series(orch, w
             proc.wait(30)
     assert orch.json("status", job_id)["state"] == "CANCELLED"
     assert_no_leftovers(job_id)
+
+
+def test_bind_cores_auto_takes_the_cores_of_the_real_gpus_numa_node() -> None:
+    """agents.binding with the real nvidia-smi and sysfs: rank 0 on slot 0 gets physical cores of its GPU's NUMA
+    node (every CPU when the GPU reports none, numa_node -1), all of them ones this process may use."""
+    import os
+
+    from agents import binding
+    allowed = os.sched_getaffinity(0)
+    env = {k: v for k, v in os.environ.items() if k != binding.FAKE_BUS_IDS_ENV}
+    cpus = binding.rank_cpus("auto", [{"global_rank": 0, "slot": 0}], "here", env, allowed, True)[0]
+    assert cpus and set(cpus) <= allowed, cpus
+    bus = binding._bus_ids(env, "here")["0"]
+    numa = int(Path(f"/sys/bus/pci/devices/{bus}/numa_node").read_text())
+    if numa >= 0:
+        node_cpus = set(binding.parse_cpus(Path(f"/sys/devices/system/node/node{numa}/cpulist").read_text()))
+        assert set(cpus) <= node_cpus, (cpus, numa, sorted(node_cpus))
