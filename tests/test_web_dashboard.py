@@ -122,6 +122,9 @@ def test_page_and_static_files_are_served(server, orch_m) -> None:
     charts = httpx.get(f"{url}/static/charts.js")  # the charts' code, loaded before app.js
     assert charts.status_code == 200 and "OrchCharts" in charts.text
     assert page.text.index("/static/charts.js") < page.text.index("/static/app.js")
+    helpers = httpx.get(f"{url}/static/format.js")  # the formatting helpers, loaded first
+    assert helpers.status_code == 200 and "OrchFormat" in helpers.text
+    assert page.text.index("/static/format.js") < page.text.index("/static/charts.js")
     css = httpx.get(f"{url}/static/style.css")
     assert css.status_code == 200 and css.headers["content-type"].startswith("text/css")
     assert httpx.get(f"{url}/static/nope.js").status_code == 404
