@@ -82,7 +82,7 @@ def _metrics(names: list[str]) -> dict[str, Any]:
 
 def step(step: int, *, loss: float | None = None, samples: float | None = None, tokens: float | None = None,
          lr: float | None = None, step_seconds: float | None = None, final: bool = False,
-         total_steps: int | None = None) -> None:
+         total_steps: int | None = None, compute_seconds: float | None = None) -> None:
     """Report one optimizer step of this rank.
 
     Args:
@@ -96,9 +96,13 @@ def step(step: int, *, loss: float | None = None, samples: float | None = None, 
             exit (a final save, an upload at exit) is not taken for a hang.
         total_steps: the step the run ends at, when the script knows it: the job list shows an ETA from it
             and the recent step rate (orch has no other way to know a run's length).
+        compute_seconds: the part of the step this rank spent on its own work before it entered the
+            step's collectives (seconds). Ranks that wait for each other every step all take the
+            slowest one's wall time; this is what tells orch's straggler detector which rank is slow
+            (the spec's ``straggler`` section; without it the detector judges ``step_seconds``).
     """
     try:
-        _report(int(step), loss, samples, tokens, lr, step_seconds, final, total_steps)
+        _report(int(step), loss, samples, tokens, lr, step_seconds, final, total_steps, compute_seconds)
     except Exception as err:  # noqa: BLE001 - reporting must never stop training
         if not _state.get("warned"):
             _state["warned"] = True
@@ -107,7 +111,8 @@ def step(step: int, *, loss: float | None = None, samples: float | None = None, 
 
 
 def _report(step_no: int, loss: float | None, samples: float | None, tokens: float | None, lr: float | None,
-            step_seconds: float | None, final: bool = False, total_steps: int | None = None) -> None:
+            step_seconds: float | None, final: bool = False, total_steps: int | None = None,
+            compute_seconds: float | None = None) -> None:
     ready = _init()
     if ready is None:
         return
@@ -140,7 +145,8 @@ def _report(step_no: int, loss: float | None, samples: float | None, tokens: flo
         point = {"step": step_no, "at": now, "loss": _num(loss), "lr": _num(lr), "samples": _num(samples),
                  "tokens": _num(tokens), "step_seconds": _num(step_seconds), "samples_per_second": _num(sps),
                  "tokens_per_second": _num(tps), "final": True if final else None,
-                 "total_steps": int(total_steps) if total_steps is not None else None}
+                 "total_steps": int(total_steps) if total_steps is not None else None,
+                 "compute_seconds": _num(compute_seconds)}
         f.write(json.dumps({k: v for k, v in point.items() if v is not None}) + "\n")
 
 

@@ -139,6 +139,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "wrote its files, before the completion marker), on the job's first attempt only: the "
                         "tag is left incomplete, as by a node lost during a save")
     p.add_argument("--crash-rank", type=int, default=0, help="the global rank killed by --crash-in-save-at-step")
+    p.add_argument("--slow-rank", type=int, default=None,
+                   help="a straggler on purpose: this global rank sleeps --slow-ms per step, before the step's "
+                        "collectives (reported as compute_seconds; orch's straggler detection names it)")
+    p.add_argument("--slow-ms", type=float, default=0.0, help="milliseconds --slow-rank sleeps per step")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--log-interval", type=int, default=10, help="human summary on rank 0 every N steps")
     p.add_argument("--no-report", action="store_true", help="do not report steps to orch's metrics "
@@ -491,10 +495,14 @@ def main(argv=None) -> int:
     engine.train()
     while step < last:
         t0 = time.perf_counter()
-        loss_sum = 0.0
+        loss_sum, compute_s = 0.0, 0.0
         for _ in range(gas):
+            tc = time.perf_counter()
+            if global_rank == args.slow_rank and args.slow_ms > 0:
+                time.sleep(args.slow_ms / 1000.0)  # --slow-rank: before this micro step's collectives
             x, y = sampler.next_batch(micro)
             loss = engine(x.to(engine.device), y.to(engine.device))  # (the accelerator's device; CPU: no copy)
+            compute_s += time.perf_counter() - tc  # this rank's own work, before backward's all-reduce waits
             engine.backward(loss)
             engine.step()
             loss_sum += loss.item()
@@ -506,7 +514,7 @@ def main(argv=None) -> int:
             f"samples_per_s={micro * gas / dt:.3f} tokens_per_s={tokens_per_step / dt:.1f} step_s={dt:.6f}")
         if orch_report is not None and not args.no_report:
             orch_report.step(step, loss=loss_val, samples=micro * gas, tokens=tokens_per_step, lr=lr, step_seconds=dt,
-                             total_steps=args.steps)
+                             total_steps=args.steps, compute_seconds=compute_s)
         window_loss += loss_val
         window_n += 1
         if args.log_interval > 0 and (step % args.log_interval == 0 or step == last):

@@ -24,6 +24,7 @@ from .checkpoints import checkpoints_view
 from .goodput import compute_goodput
 from .hints import next_steps
 from .progress import progress_fields
+from .stragglers import flagged_ranks
 
 __all__ = ["job_summary", "job_list", "job_detail", "rank_rows", "node_rows", "read_log", "progress_of", "log_path",
            "ops_view", "ops_words", "goodput_view", "GOODPUT_CACHE_S"]
@@ -104,7 +105,8 @@ def rank_rows(store: Store, attempt: AttemptRecord) -> list[dict[str, Any]]:
     (``report``, ``deepspeed``), else ``log`` when only the log has steps; ``lr``,
     ``samples_per_second``, ``tokens_per_second``, ``step_seconds`` and ``reported_at`` come
     from reports only; ``started_at`` is when the rank started and ``progress_at`` when it last made
-    progress (its last step, or its start before the first; Unix times, None before it started).
+    progress (its last step, or its start before the first; Unix times, None before it started);
+    ``straggler``: the data of the rank's ``straggler`` event while it is flagged as one, else None.
     """
     rows: dict[int, dict[str, Any]] = {}
     for node in attempt.plan.get("nodes", []):
@@ -147,6 +149,9 @@ def rank_rows(store: Store, attempt: AttemptRecord) -> list[dict[str, Any]]:
         row["progress_at"] = _progress_at(row, log_path(attempt.plan, rank))
         for key in ("lr", "samples_per_second", "tokens_per_second", "step_seconds"):
             row[key] = _float(point.get(key)) if point else None
+    flagged = flagged_ranks(store.events(attempt.job_id), attempt.number)
+    for rank, row in rows.items():
+        row["straggler"] = flagged.get(rank)
     return [rows[k] for k in sorted(rows)]
 
 

@@ -31,6 +31,7 @@ from .files import line_of, read_deepspeed_config, read_yaml
 from .restart import RestartPolicy
 from .resume import ResumeOptions
 from .retention import CheckpointRetention
+from .straggler import StragglerOptions
 
 __all__ = ["JobSpec", "SSHOptions", "RayOptions", "load_spec", "spec_from_dict", "load_deepspeed_config", "PROVISIONERS",
            "KNOWN_LAUNCHERS", "PreflightOptions", "pass_through", "env_pattern_problem"]
@@ -142,6 +143,7 @@ class JobSpec(BaseModel):
     ray: RayOptions = Field(default_factory=RayOptions)
     slurm: SlurmOptions = Field(default_factory=SlurmOptions)
     restart: RestartPolicy = Field(default_factory=RestartPolicy)
+    straggler: StragglerOptions = Field(default_factory=StragglerOptions)
     checkpoints: CheckpointRetention = Field(default_factory=CheckpointRetention, description="Checkpoint retention.")
     preflight: PreflightOptions = Field(default_factory=PreflightOptions)
     exclude_hosts: list[str] = Field(default_factory=list, description="Hosts never to use (e.g. lost "

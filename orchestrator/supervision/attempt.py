@@ -46,6 +46,7 @@ from .prepare import rank_python
 from .provisioning import await_hellos, provision_failure, start_agents
 from .pruning import CheckpointPruner
 from .settings import Timings
+from .stragglers import StragglerWatch
 from .teardown import Teardown, root_cause
 from .warm import Relay, WarmPool, adopt_warm, keep_warm_for, parkable, spare_pids
 from .watches import ENDED, HeartbeatWatch, ProgressWatch
@@ -114,6 +115,8 @@ class AttemptRun(AttemptMessages):
                                       floor_s=self.timings.hang_floor_s)
         self._preflight: PreflightRound | None = None  # between every hello and the start
         self._rank_node = {r.global_rank: n for n, r in plan.ranks()}
+        self.stragglers = StragglerWatch(spec.straggler,
+                                         {r: (n.host, n.node_rank) for r, n in self._rank_node.items()})
         self._last_ping = 0.0
         self._last_checks = 0.0
         self._progress_rows: list[tuple[int, dict]] = []  # reported points not stored yet (_flush_progress)

@@ -103,6 +103,8 @@ class AttemptMessages:
         if rows:  # stored in one transaction per turn (AttemptRun._flush_progress), not one per message
             self._progress_rows.extend(rows)
             self.progress.record(rows)
+            for kind, data in self.stragglers.record(rows):  # (supervision/stragglers.py)
+                self._event(kind, data)
 
     def _on_rank_exit(self, node_rank: int, msg: dict) -> None:
         rank, code = int(msg["global_rank"]), int(msg["returncode"])

@@ -2,7 +2,8 @@
 policy's backoff and runs as an automatic resume, unless it is called off first (a cancel, a resume by
 hand, the controller shutting down).
 
-Every decision is an event: ``restart_scheduled`` (restart number, wait, hosts left out), a
+A node lost (``exclude_failed_nodes``) or a straggler's (``straggler.on_straggler: exclude_on_restart``) is left
+out of the restart. Every decision is an event: ``restart_scheduled`` (restart number, wait, hosts left out), a
 ``warning`` when ``max_restarts`` is used up, ``restart_called_off``, ``restart_failed``.
 """
 
@@ -13,16 +14,27 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import OrchError
+from ..observe.stragglers import flagged_ranks
 from ..spec import JobSpec
 from ..spec.restart import CONTROLLER_CAUSES, CONTROLLER_RESTARTS
 from ..store import JobState, Store
 
-__all__ = ["Restarts", "NODE_CAUSES"]
+__all__ = ["Restarts", "NODE_CAUSES", "straggler_hosts"]
 
 #: Causes that are a node's, not the job's: ``exclude_failed_nodes`` leaves the node out of the restart. A
 #: ``gpu_fault`` (a GPU of the node reported a fatal Xid or a double-bit ECC error, agents/gpu.py) is a node
 #: lost to its hardware (restarted when ``retry_on`` has ``gpu_fault``, as by default).
 NODE_CAUSES = ("node_lost", "gpu_fault")
+
+
+def straggler_hosts(store: Store, job_id: str, attempt: int, spec: JobSpec, already: list[str]) -> list[str]:
+    """The hosts of the ranks flagged as stragglers in attempt ``attempt`` when it ended (``straggler`` events
+    not cleared), which ``straggler.on_straggler: exclude_on_restart`` leaves out of the restart; empty under
+    ``warn``. Hosts in ``already`` are not repeated."""
+    if spec.straggler.on_straggler != "exclude_on_restart":
+        return []
+    hosts = [d.get("node") for d in flagged_ranks(store.events(job_id), attempt).values()]
+    return sorted({h for h in hosts if h and h not in already})
 
 
 class Restarts:
@@ -86,6 +98,7 @@ class Restarts:
                 delay = policy.backoff(done)
             exclude = (cause.get("nodes") or [cause["node"]]) if policy.exclude_failed_nodes \
                 and cause.get("kind") in NODE_CAUSES and cause.get("node") else []
+            exclude += straggler_hosts(self.store, job.id, attempt, spec, exclude)
             self.store.add_event(job.id, job.attempt, "restart_scheduled", {
                 "restart": len(scheduled) + 1, "max_restarts": policy.max_restarts, "in_seconds": delay,
                 "exclude_hosts": exclude, "cause_kind": cause.get("kind"),

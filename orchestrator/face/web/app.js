@@ -348,13 +348,16 @@
     $("#ranks-table tbody").replaceChildren(...ranks.map((r) => {
       const stepTime = num(r.step_seconds);
       const state = r.state;
-      return el("tr", {class: "rank-row", "data-rank": r.global_rank, "data-state": r.state},
+      const slow = r.straggler;  // flagged by orch's straggler detection (the spec's straggler section)
+      return el("tr", {class: slow ? "rank-row straggler" : "rank-row", "data-rank": r.global_rank,
+                       "data-state": r.state, title: slow ? slow.message || "straggler" : null},
         el("td", {class: "num"}, el("span", {style: `color:${color(r.global_rank)}`, text: "● "}), r.global_rank),
         el("td", {text: `${r.host} (${r.node_rank})`}),
         el("td", {class: "num", text: r.local_rank}),
         el("td", {class: "num mono", text: r.pid ?? "–"}),
         el("td", {class: "rank-state", title: r.how || ""}, badge(state, "st"),
-           r.how && r.state !== "exited" ? el("span", {class: "muted small", text: ` ${r.how}`}) : null),
+           r.how && r.state !== "exited" ? el("span", {class: "muted small", text: ` ${r.how}`}) : null,
+           slow ? el("span", {class: "straggler-badge", text: ` straggler ×${slow.ratio ?? "?"}`}) : null),
         el("td", {class: "num rank-step", text: r.step ?? "–"}),
         el("td", {class: "num rank-loss", text: fmtLoss(r.loss)}),
         el("td", {class: "num rank-tps", text: fmtRate(r.tokens_per_second)}),
