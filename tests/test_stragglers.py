@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
 from prometheus_client import generate_latest
 
 from conftest import ROOT
@@ -164,6 +165,7 @@ def _spec(write_spec, hostfile, name: str, steps: int, extra: list[str], straggl
                       **({"straggler": straggler} if straggler else {}), **more)
 
 
+@pytest.mark.integration
 def test_a_rank_slowed_on_purpose_is_named_within_the_window(orch, write_spec, hostfile, state_dir) -> None:
     helpers_train.prebuild_ops()
     window = 10
@@ -183,6 +185,7 @@ def test_a_rank_slowed_on_purpose_is_named_within_the_window(orch, write_spec, h
     print("straggler event:", json.dumps(data))
 
 
+@pytest.mark.integration
 def test_even_jobs_raise_no_straggler(orch, write_spec, hostfile) -> None:
     helpers_train.prebuild_ops()
     runs, events = 20, []
