@@ -198,3 +198,31 @@ def test_even_jobs_raise_no_straggler(orch, write_spec, hostfile) -> None:
     for job in jobs:
         events += [(job["id"], e.data) for e in orch.events(job["id"], "straggler")]
     assert events == [], events
+
+
+STRAGGLER_ROWS_JS = """return [...document.querySelectorAll('#ranks-table tr.rank-row')].map(tr => ({
+  rank: +tr.dataset.rank, straggler: tr.classList.contains('straggler'), title: tr.getAttribute('title'),
+  badge: (tr.querySelector('.straggler-badge') || {}).textContent || null,
+  background: getComputedStyle(tr.querySelector('td')).backgroundColor}));"""
+
+
+@pytest.mark.integration
+def test_the_dashboard_highlights_the_straggler_row(browser, write_spec, hostfile, tmp_path) -> None:
+    from conftest import Orch, running_server, wait_for
+
+    helpers_train.prebuild_ops()
+    (tmp_path / "state").mkdir()
+    orch = Orch(tmp_path / "state")
+    spec = _spec(write_spec, hostfile, "web-slow", 30, ["--slow-rank", "1", "--slow-ms", "200"], {"window_steps": 10})
+    with running_server(orch) as (proc, url):
+        browser.get(proc.login_url)
+        job_id = orch.json("submit", str(spec), check=True)["id"]
+        browser.get(f"{url}/#/jobs/{job_id}")
+        rows = wait_for(lambda: (v := browser.execute_script(STRAGGLER_ROWS_JS)) and any(r["straggler"] for r in v)
+                        and v, 300, "a rank row marked straggler", interval=0.5)
+        by_rank = {r["rank"]: r for r in rows}
+        assert [r for r, row in by_rank.items() if row["straggler"]] == [1], rows
+        assert by_rank[1]["badge"].startswith(" straggler ×") and "rank 1 on node-1" in by_rank[1]["title"], rows
+        assert by_rank[1]["background"] != by_rank[0]["background"], rows  # the row is highlighted
+        assert by_rank[0]["badge"] is None and by_rank[0]["title"] is None
+        wait_for(lambda: orch.json("status", job_id)["state"] == "SUCCEEDED", 300, "the job to succeed")
