@@ -98,7 +98,7 @@ class Restarts:
                 delay = policy.backoff(done)
             exclude = (cause.get("nodes") or [cause["node"]]) if policy.exclude_failed_nodes \
                 and cause.get("kind") in NODE_CAUSES and cause.get("node") else []
-            exclude += straggler_hosts(self.store, job.id, attempt, spec, exclude)
+            exclude = [*exclude, *straggler_hosts(self.store, job.id, attempt, spec, exclude)]
             self.store.add_event(job.id, job.attempt, "restart_scheduled", {
                 "restart": len(scheduled) + 1, "max_restarts": policy.max_restarts, "in_seconds": delay,
                 "exclude_hosts": exclude, "cause_kind": cause.get("kind"),
