@@ -155,10 +155,10 @@ def test_the_flag_reaches_the_metric_the_api_and_an_exclude_on_restart(tmp_path)
 # -- real 2-node jobs of examples/train_gpt.py ---------------------------------------------------------------------
 
 def _spec(write_spec, hostfile, name: str, steps: int, extra: list[str], straggler: dict | None = None,
-          **more) -> Path:
+          hosts: str = "node-0 slots=1\nnode-1 slots=1\n", **more) -> Path:
     config = json.loads((EXAMPLES / "ds_zero1.json").read_text())
     config["train_micro_batch_size_per_gpu"] = 4
-    return write_spec(name=name, hostfile=str(hostfile("node-0 slots=1\nnode-1 slots=1\n")), launcher="pdsh",
+    return write_spec(name=name, hostfile=str(hostfile(hosts)), launcher="pdsh",
                       workdir=str(EXAMPLES), entrypoint="train_gpt.py", deepspeed_config=config,
                       args=TINY + ["--steps", str(steps)] + extra, stop_grace_seconds=5,
                       env={"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"},
@@ -226,3 +226,22 @@ def test_the_dashboard_highlights_the_straggler_row(browser, write_spec, hostfil
         assert by_rank[1]["background"] != by_rank[0]["background"], rows  # the row is highlighted
         assert by_rank[0]["badge"] is None and by_rank[0]["title"] is None
         wait_for(lambda: orch.json("status", job_id)["state"] == "SUCCEEDED", 300, "the job to succeed")
+
+
+@pytest.mark.integration
+def test_exclude_on_restart_leaves_the_stragglers_node_out_of_the_restart(orch, write_spec, hostfile) -> None:
+    helpers_train.prebuild_ops()
+    spec = _spec(write_spec, hostfile, "slow-restart", 30, ["--slow-rank", "1", "--slow-ms", "200",
+                                                            "--fail-at-step", "20", "--fail-rank", "0"],
+                 {"window_steps": 10, "on_straggler": "exclude_on_restart"},
+                 hosts="node-0 slots=1\nnode-1 slots=1\nnode-2 slots=1\n",  # node-2: a spare for the restart
+                 restart={"max_restarts": 1, "backoff_seconds": 0}, num_nodes=2)
+    r = orch("run", str(spec), timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    (job,) = orch.json("list")
+    detail = orch.json("status", job["id"])
+    first, second = detail["attempts"]
+    assert first["cause"]["kind"] == "rank_exit" and first["nodes"] == ["node-0", "node-1"], first
+    (scheduled,) = orch.events(job["id"], "restart_scheduled")
+    assert scheduled.data["exclude_hosts"] == ["node-1"], scheduled.data
+    assert second["nodes"] == ["node-0", "node-2"] and detail["state"] == "SUCCEEDED", second
