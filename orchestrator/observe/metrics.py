@@ -4,6 +4,8 @@ Metrics (docs/metrics.md, "Controller"): ``orch_jobs{state}`` is read from the s
 scrape time; the counters and histograms count what this controller process saw.
 ``orch_job_seconds{job, category}`` (docs/goodput.md): each job's wall time by goodput category, for every job
 not yet terminal and the newest :data:`GOODPUT_JOBS` jobs, read from the store at scrape time.
+``orch_job_state{job, name, state, cause, node}`` (1): each of those jobs' current state, for alert rules
+(dashboards/orch-alerts.yml) that name the job.
 
 Targets: one ``file_sd`` file per running attempt, ``<targets dir>/<job>.<attempt>.json``,
 listing every node agent's exporter with the labels ``job``, ``attempt`` and ``node``
@@ -71,6 +73,28 @@ class _JobSeconds(Collector):
         yield family
 
 
+class _JobState(Collector):
+    """``orch_job_state{job, name, state, cause, node}``: 1 for each job not yet terminal and each of the newest
+    :data:`GOODPUT_JOBS`, labelled with its current state, its latest attempt's cause kind (``rank_exit``,
+    ``node_lost``, ``gpu_fault``, ...) and the node that cause names (both empty when none). One series per job:
+    at most :data:`GOODPUT_JOBS` plus the jobs not finished."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+    def collect(self) -> Iterable[Metric]:
+        family = GaugeMetricFamily("orch_job_state", "1 for a job's current state, with its latest attempt's "
+                                   "cause kind (every job not finished and the newest 100)",
+                                   labels=["job", "name", "state", "cause", "node"])
+        jobs = {j.id: j for j in [*self.store.list_jobs(GOODPUT_JOBS), *self.store.active_jobs()]}
+        for job_id in sorted(jobs):
+            job = jobs[job_id]
+            cause = job.cause or {}
+            family.add_metric([job_id, job.name, job.state.value, str(cause.get("kind") or ""),
+                               str(cause.get("node") or "")], 1)
+        yield family
+
+
 class ControllerMetrics:
     """The metrics of one controller process.
 
@@ -82,6 +106,9 @@ class ControllerMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(_JobsByState(store))
         self.registry.register(_JobSeconds(store))
+        from .stragglers import StragglerGauge  # orch_straggler{job, node, rank}: ranks flagged now
+        self.registry.register(StragglerGauge(store))
+        self.registry.register(_JobState(store))
         self.attempts = Counter("orch_attempts", "attempts this controller started", registry=self.registry)
         self.restarts = Counter("orch_restarts", "attempts this controller started that were not a job's first",
                                 registry=self.registry)
