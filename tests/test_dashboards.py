@@ -269,7 +269,7 @@ def test_dashboard_queries_substitutes_variables(tmp_path: Path) -> None:
 
 def make_test_config(tmp_path: Path, targets_dir: Path, interval: str = "1s") -> Path:
     """dashboards/prometheus.yml with every interval set to ``interval`` and the file_sd
-    files pointed at ``targets_dir``; nothing else changed."""
+    files pointed at ``targets_dir``; its rule files made absolute; nothing else changed."""
     config = yaml.safe_load(CONFIG.read_text())
     for key in ("scrape_interval", "scrape_timeout", "evaluation_interval"):
         if key in config.get("global", {}):
@@ -281,6 +281,8 @@ def make_test_config(tmp_path: Path, targets_dir: Path, interval: str = "1s") ->
         for sd in job.get("file_sd_configs", []):
             sd["files"] = [str(targets_dir / "*.json")]
             sd["refresh_interval"] = interval
+    # the alert rules, relative to dashboards/ in the file: absolute here, where the copy is elsewhere
+    config["rule_files"] = [str(CONFIG.parent / f) for f in config.get("rule_files", [])]
     path = tmp_path / "prometheus.yml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     return path

@@ -52,6 +52,7 @@ def test_prometheus_scrapes_jobs_through_orchs_targets_and_every_dashboard_panel
     config["global"].update(scrape_interval="1s", scrape_timeout="1s", evaluation_interval="1s")
     for sd in config["scrape_configs"][0]["file_sd_configs"]:
         sd["refresh_interval"] = "1s"
+    config["rule_files"] = [str(ROOT / "dashboards" / f) for f in config.get("rule_files", [])]  # (relative there)
     (prom_dir / "prometheus.yml").write_text(yaml.safe_dump(config))
     targets = prom_dir / "targets"  # what the example config reads: targets/*.json next to itself
 
