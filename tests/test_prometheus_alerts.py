@@ -9,7 +9,6 @@ For the test's sake the rules are loaded from a copy with every ``for:`` at 0s a
 
 from __future__ import annotations
 
-import time
 
 import httpx
 import pytest
