@@ -40,7 +40,6 @@ import time
 from pathlib import Path
 
 import psutil
-import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
@@ -106,15 +105,7 @@ class Trials(Systems):
         """Start ``system``; returns its process and a function listing its rank logs."""
         d = self._dir(system)
         if system == "orch":
-            p = self.net.client_params()
-            spec = d / "job.yaml"
-            spec.write_text(yaml.safe_dump({
-                "name": "fd", "hostfile": str(self.hostfile), "provisioner": "ssh", "launcher": "pdsh",
-                "workdir": str(EXAMPLES), "entrypoint": "train_gpt.py", "args": TRAIN,
-                "deepspeed_config": str(EXAMPLES / "ds_zero2.json"), "master_port": self._next_port(),
-                "hang_timeout": 10, "stop_grace_seconds": 5,
-                "ssh": {"user": p["user"], "identity_file": p["key_filename"], "known_hosts": p["known_hosts"]},
-                "env": {**self._vars(), "PATH": self.path}}))
+            spec = self._spec(d, TRAIN, name="fd", hang_timeout=10, stop_grace_seconds=5)
             env = {**os.environ, "ORCH_STATE_DIR": str(d / "state"), "PATH": self.path}
             proc = subprocess.Popen([sys.executable, "-m", "orchestrator", "run", str(spec)], env=env,
                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)

@@ -107,15 +107,17 @@ class Systems:
             raise RuntimeError(f"orch run failed (state in {d})")
         return dt
 
-    def _spec(self, d: Path) -> Path:
+    def _spec(self, d: Path, args: list[str] = ARGS, **fields) -> Path:
+        """``d/job.yaml``: the job on the hosts (ssh provisioner, pdsh semantics) with ``args`` for the script and
+        ``fields`` laid over the spec."""
         p = self.net.client_params()
         spec = d / "job.yaml"
         spec.write_text(yaml.safe_dump({
             "name": "bench", "hostfile": str(self.hostfile), "provisioner": "ssh", "launcher": "pdsh",
-            "workdir": str(EXAMPLES), "entrypoint": "train_gpt.py", "args": ARGS,
+            "workdir": str(EXAMPLES), "entrypoint": "train_gpt.py", "args": args,
             "deepspeed_config": str(EXAMPLES / "ds_zero2.json"), "master_port": self._next_port(),
             "ssh": {"user": p["user"], "identity_file": p["key_filename"], "known_hosts": p["known_hosts"]},
-            "env": {**self._vars(), "PATH": self.path}}))
+            "env": {**self._vars(), "PATH": self.path}, **fields}))
         return spec
 
     def orch_warm(self) -> float:
