@@ -19,7 +19,7 @@ import argparse
 import os
 import secrets
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from rich.text import Text
 
@@ -52,24 +52,21 @@ def doctor_options(sp: argparse.ArgumentParser) -> None:
                     "link tests, naming both nodes (default: none; the slowest link is named all the same)")
 
 
-def _positive_seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}")
-    return value
+def _positive(what: str) -> Callable[[str], float]:
+    """An argparse ``type``: a finite number > 0, else an error saying ``expected <what> > 0``."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = -1.0
+        if not 0 < value < float("inf"):
+            raise argparse.ArgumentTypeError(f"expected {what} > 0, got {text!r}")
+        return value
+    return parse
 
 
-def _positive_gbps(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a bandwidth in GB/s > 0, got {text!r}")
-    return value
+_positive_seconds = _positive("a number of seconds")
+_positive_gbps = _positive("a bandwidth in GB/s")
 
 
 def _is_spec(path: Path) -> bool:
