@@ -43,6 +43,26 @@ def _run(watch: StragglerWatch, steps: int, base: float, slow: dict[int, float],
     return out
 
 
+
+def test_the_others_median_is_each_other_ranks_median_and_many_ranks_reuse_it_for_a_while() -> None:
+    import statistics
+    watch = StragglerWatch(StragglerOptions(window_steps=5), HOSTS)
+    rng = random.Random(3)
+    for step in range(1, 40):
+        for r in range(8):
+            watch.record([(r, {"step": step, "compute_seconds": rng.uniform(0.01, 0.03)})])
+            others = [statistics.median(s.recent) for q, s in watch.ranks.items() if q != r and s.recent]
+            assert watch._others_median(r) == (statistics.median(others) if others else None)
+    # above SMALL ranks the sorted medians are rebuilt at most every REBUILD_EVERY_S (one sort, not R per step)
+    now = [0.0]
+    many = StragglerWatch(StragglerOptions(window_steps=5), {r: ("n", 0) for r in range(100)}, clock=lambda: now[0])
+    many.record([(r, {"step": 1, "compute_seconds": 0.01}) for r in range(100)])
+    before = many._others_median(0)
+    many.record([(r, {"step": 2, "compute_seconds": 1.0}) for r in range(1, 100)])
+    assert many._others_median(0) == before  # within the half second: the list built at step 1
+    now[0] += StragglerWatch.REBUILD_EVERY_S
+    assert many._others_median(0) > before  # rebuilt: every other rank's median moved up
+
 def test_a_slow_rank_is_flagged_after_the_window_and_named() -> None:
     watch = StragglerWatch(StragglerOptions(), HOSTS)  # defaults: 20% over the median, 20 steps
     events = _run(watch, 60, 0.1, {5: 0.05}, 0.05)

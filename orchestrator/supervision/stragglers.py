@@ -16,9 +16,11 @@ separates ranks only where they do not wait for each other every step.
 
 from __future__ import annotations
 
+import bisect
 import statistics
+import time
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from ..spec.straggler import StragglerOptions
@@ -42,6 +44,8 @@ class _Rank:
 
     def __init__(self, window: int) -> None:
         self.recent: deque[float] = deque(maxlen=window)
+        self.median: float | None = None    # of ``recent``, kept as it changes
+        self.listed: float | None = None    # ``median`` as the last sorted list of every rank's holds it
         self.last_step = -1
         self.over_from: int | None = None   # the first step of the current run of steps over the threshold
         self.under_from: int | None = None  # (flagged) the first step of the current run within it
@@ -62,18 +66,46 @@ class StragglerWatch:
         hosts: global rank -> (host, node rank), named in the events.
     """
 
-    def __init__(self, options: StragglerOptions, hosts: Mapping[int, tuple[str, int]]) -> None:
+    #: With more ranks than this, the sorted list of every rank's median is rebuilt at most every
+    #: :data:`REBUILD_EVERY_S` (one sort of R values) instead of for every point: judging each of R ranks'
+    #: points against the others' median by recomputing it made a step cost O(R^2) (1,000 ranks: ~10^6
+    #: medians a step). Below it, the list is rebuilt whenever a median changed (exact).
+    SMALL = 64
+    REBUILD_EVERY_S = 0.5
+
+    def __init__(self, options: StragglerOptions, hosts: Mapping[int, tuple[str, int]],
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.options = options
         self.hosts = dict(hosts)
         self.ranks: dict[int, _Rank] = {}
+        self._clock = clock
+        self._sorted: list[float] = []     # every rank's ``listed`` median, sorted
+        self._built_at = float("-inf")
+        self._dirty = False
 
     def flagged(self) -> dict[int, dict[str, Any]]:
         """The ranks flagged now: global rank -> the data of its ``straggler`` event."""
         return {r: s.flag for r, s in self.ranks.items() if s.flag is not None}
 
     def _others_median(self, rank: int) -> float | None:
-        medians = [statistics.median(s.recent) for r, s in self.ranks.items() if r != rank and s.recent]
-        return statistics.median(medians) if medians else None
+        """The median over the other ranks of each one's median: the sorted list of every rank's (rebuilt as
+        :data:`SMALL` says) less one occurrence of this rank's own, in O(log R)."""
+        now = self._clock()
+        if self._dirty and (len(self.ranks) <= self.SMALL or now - self._built_at >= self.REBUILD_EVERY_S):
+            for s in self.ranks.values():
+                s.listed = s.median
+            self._sorted = sorted(s.listed for s in self.ranks.values() if s.listed is not None)
+            self._built_at, self._dirty = now, False
+        own = self.ranks[rank].listed
+        values, skip = self._sorted, (bisect.bisect_left(self._sorted, own) if own is not None else None)
+        n = len(values) - (skip is not None)
+        if n <= 0:
+            return None
+
+        def at(k: int) -> float:  # the k-th smallest of the others
+            return values[k + 1] if skip is not None and k >= skip else values[k]
+        half = n // 2
+        return at(half) if n % 2 else (at(half - 1) + at(half)) / 2
 
     def record(self, rows: Iterable[tuple[int, Mapping[str, Any]]]) -> list[tuple[str, dict[str, Any]]]:
         """Take reported points (``(global rank, point)``, a point with ``step`` and ``compute_seconds``
@@ -93,6 +125,7 @@ class StragglerWatch:
                 continue
             state.last_step = step
             state.recent.append(got[1])
+            state.median, self._dirty = statistics.median(state.recent), True
             median = self._others_median(rank)
             if median is None:
                 continue
