@@ -203,8 +203,8 @@ def test_verdict_nodes_that_did_not_answer_are_named() -> None:
 @pytest.mark.integration
 def test_link_tests_killed_at_the_deadline_keep_what_they_measured() -> None:
     """Three NodeDoctors (this machine's processes, loopback): round 1 tests 0 <-> 1; round 2 is a schedule no pair
-    can finish (node 0 is paired with both 1 and 2; it takes the last pair, 1 waits for it for ever), so every
-    node's script is killed at ``timeout_s``: the all-reduce and round 1's link come back, and the rest is named."""
+    can finish (node 0 is paired with both 1 and 2; it takes the last pair, 1 waits for it for ever), so it ends at
+    ``timeout_s`` or at gloo's timeout before it: the all-reduce and round 1's link come back, and the rest is named."""
     import os
     import socket
     import sys
@@ -229,7 +229,11 @@ def test_link_tests_killed_at_the_deadline_keep_what_they_measured() -> None:
     for r in range(3):
         result = answers[r]["result"]
         assert result["correct"] is True and result["backend"] == "gloo" and result["rounds_done"] == 1, result
-        assert result["links_error"] == "the link tests did not finish within 25 s (after 1 of 2 rounds)", result
+        # round 2 ends either at the deadline (the script killed) or, first, when gloo's own timeout (0.8 of it) makes
+        # the stuck exchange of node 2 raise and its script exit, which closes its peers' links: both name round 2
+        err = result["links_error"]
+        assert err == "the link tests did not finish within 25 s (after 1 of 2 rounds)" or (
+            err.startswith("the link tests stopped after 1 of 2 rounds: ") and "exited with status" in err), result
     assert [x["peer"] for x in answers[1]["result"]["links"]] == [0]
     assert answers[0]["result"]["links"][0]["peer"] == 1 and answers[0]["result"]["links"][0]["correct"] is True
     assert [x["peer"] for x in answers[2]["result"]["links"]] in ([], [0])  # round 2's 0 <-> 2 may have finished
