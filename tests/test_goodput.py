@@ -145,7 +145,9 @@ def test_tag_step_and_timeline() -> None:
     assert line == [(1, 6.0), (2, 6.0), (3, 6.0)]  # earliest per step, never earlier than the step before
 
 
-def test_prometheus_series_per_job_and_category(tmp_path) -> None:
+def _finished_store(tmp_path) -> Store:
+    """A store with one job, g-abc123: created at T0, running from T0 + 4 (steps 1-5 at T0 + 5 .. T0 + 9),
+    SUCCEEDED at T0 + 12."""
     clock = [T0]
     store = Store(tmp_path / "orch.db", clock=lambda: clock[0])
     store.create_job("g-abc123", "g", {})
@@ -156,6 +158,11 @@ def test_prometheus_series_per_job_and_category(tmp_path) -> None:
     store.add_progress("g-abc123", 1, [(0, {"step": s, "at": T0 + 4 + s}) for s in range(1, 6)])
     clock[0] = T0 + 12
     store.set_state("g-abc123", JobState.SUCCEEDED)
+    return store
+
+
+def test_prometheus_series_per_job_and_category(tmp_path) -> None:
+    store = _finished_store(tmp_path)
     text = generate_latest(ControllerMetrics(store).registry).decode()
     (family,) = [f for f in text_string_to_metric_families(text) if f.name == "orch_job_seconds"]
     got = {s.labels["category"]: s.value for s in family.samples if s.labels["job"] == "g-abc123"}
@@ -219,16 +226,7 @@ def test_the_api_shows_the_goodput_in_the_job_and_on_its_own_route(tmp_path) -> 
 
     from orchestrator.face.api import create_app
 
-    clock = [T0]
-    store = Store(tmp_path / "orch.db", clock=lambda: clock[0])
-    store.create_job("g-abc123", "g", {})
-    store.set_state("g-abc123", JobState.PROVISIONING)
-    store.add_attempt("g-abc123", 1, {"nodes": [], "world_size": 1}, None)
-    clock[0] = T0 + 4
-    store.set_state("g-abc123", JobState.RUNNING)
-    store.add_progress("g-abc123", 1, [(0, {"step": s, "at": T0 + 4 + s}) for s in range(1, 6)])
-    clock[0] = T0 + 12
-    store.set_state("g-abc123", JobState.SUCCEEDED)
+    store = _finished_store(tmp_path)
     controller = SimpleNamespace(store=store, state_dir=tmp_path, metrics=ControllerMetrics(store),
                                  owner={"pid": 1}, unrecorded=lambda job_id: None)
     client = TestClient(create_app(controller, "tok", ["testserver"]), headers={"Authorization": "Bearer tok"})
