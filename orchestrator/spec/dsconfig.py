@@ -52,6 +52,7 @@ from typing import Any, Collection, Iterator, Mapping
 
 from ..errors import ConfigError
 from .dssources import hidden_size_from_model_config  # re-exported: callers import it from here
+from .dszero import zero_rules
 
 __all__ = ["AUTO", "DeepSpeedSettings", "RunFacts", "ResolvedConfig", "plugin_config", "resolve", "check",
            "hidden_size_from_model_config", "HIDDEN_SIZE_KEYS", "SCRIPT_FILLED_KEYS", "SETTING_KEYS",
@@ -87,8 +88,6 @@ ACCELERATE_KEYS = (*SETTING_KEYS.values(), "fp16.enabled", "bf16.enabled", *_BAT
 HF_TRAINER_KEYS = (*ACCELERATE_KEYS, "optimizer.params.betas", "optimizer.params.eps")
 #: The settings orch still fills under a script: the HF Trainer fills accumulation and clipping itself, first.
 _ZERO_SETTINGS = tuple(n for n in SETTING_KEYS if n not in ("gradient_accumulation_steps", "gradient_clipping"))
-_OFFLOAD_DEVICES = ("none", "cpu", "nvme")
-_ZERO_PP_KEYS = ("zero_quantized_weights", "zero_quantized_gradients", "zero_hpz_partition_size")
 
 Problem = tuple[str, str]
 
@@ -430,12 +429,8 @@ def check(config: Mapping[str, Any], run: RunFacts,
     Rules (source):
 
     * ``zero_optimization.stage`` is 0-3 (DeepSpeed ``ZeroStageEnum``);
-    * offload devices are none/cpu/nvme (``OffloadDeviceEnum``); ``offload_param`` only at
-      stage 3 (``DeepSpeedZeroOffloadParamConfig``: "Valid only with stage 3"; Accelerate's
-      ``offload_param_device`` help); ``nvme`` needs an ``nvme_path`` (ZeRO-Infinity swaps to it);
-    * ZeRO++ (``zero_quantized_weights``, ``zero_quantized_gradients``,
-      ``zero_hpz_partition_size`` > 1) only at stage 3 (Accelerate guide: ZeRO++ extends stage 3);
-      the hpz partition size divides every node's GPU count, and should equal it (a warning);
+    * the ``zero_optimization`` rules (offload devices and paths, NVMe offload below stage 3, ZeRO++):
+      :func:`orchestrator.spec.dszero.zero_rules`;
     * a ``scheduler`` without an ``optimizer`` section: a warning (DeepSpeed builds the config's
       scheduler over a client optimizer; Accelerate's guide says a DeepSpeed scheduler goes
       with a DeepSpeed optimizer);
@@ -469,16 +464,9 @@ def check(config: Mapping[str, Any], run: RunFacts,
     elif not _is_int(stage) or not 0 <= stage <= 3:
         problems.append(("zero_optimization.stage", f"must be 0, 1, 2 or 3; got {stage!r}"))
         stage = None
-    problems += _offload_problems(zero, stage)
-    section = zero.get("offload_optimizer")
-    if isinstance(section, dict) and section.get("device") == "nvme" and stage in (1, 2):
-        warnings.append(f"zero_optimization.offload_optimizer.device is \"nvme\" but the ZeRO stage is {stage}: "
-                        "DeepSpeed offloads the optimizer to CPU memory instead (stage 1 and 2 treat any offload "
-                        "device as CPU offload: runtime/zero/stage_1_and_2.py), and nvme_path is not used. Set "
-                        "zero_optimization.stage to 3 for NVMe offload, or the device to \"cpu\" to say what runs")
-    zpp = _zero_pp(zero, stage, run)
-    problems += zpp[0]
-    warnings += zpp[1]
+    zero_problems, zero_warnings = zero_rules(zero, stage, run.slots_per_node)
+    problems += zero_problems
+    warnings += zero_warnings
     if "scheduler" in config and "optimizer" not in config:
         warnings.append("the DeepSpeed config has a scheduler but no optimizer: DeepSpeed then builds the "
                         "scheduler over the script's own optimizer, and under Accelerate the script must pass "
@@ -497,57 +485,6 @@ def check(config: Mapping[str, Any], run: RunFacts,
 def _enabled(config: Mapping[str, Any], dtype: str) -> bool:
     section = config.get(dtype)
     return isinstance(section, dict) and section.get("enabled") is True
-
-
-def _offload_problems(zero: Mapping[str, Any], stage: int | None) -> list[Problem]:
-    problems: list[Problem] = []
-    for part, what, acc in (("offload_optimizer", "optimizer", "offload_optimizer"),
-                            ("offload_param", "parameter", "offload_param")):
-        section = zero.get(part)
-        if not isinstance(section, dict):
-            continue
-        key = f"zero_optimization.{part}"
-        device = section.get("device", "none")
-        if device == AUTO:
-            continue
-        if device not in _OFFLOAD_DEVICES:
-            problems.append((f"{key}.device", f"must be one of none, cpu, nvme; got {device!r}"))
-            continue
-        if part == "offload_param" and device != "none" and stage is not None and stage != 3:
-            problems.append((f"{key}.device", f"is {device!r} but the ZeRO stage is {stage}: {what} offload works "
-                             "only with ZeRO stage 3 (DeepSpeed: offload_param is 'valid only with stage 3'). "
-                             f"Set zero_optimization.stage to 3 (zero_stage: 3), or {key}.device to \"none\""))
-        path = section.get("nvme_path")
-        if device == "nvme" and path != AUTO and (path is None or str(path).strip().lower() in ("", "none")):
-            problems.append((f"{key}.nvme_path", f"{what} offload to NVMe needs the directory to swap to, and none "
-                             f"is given (got {path!r}). Set {key}.nvme_path (or {acc}_nvme_path in the Accelerate "
-                             "config) to a directory on the NVMe drive of every node"))
-    return problems
-
-
-def _zero_pp(zero: Mapping[str, Any], stage: int | None, run: RunFacts) -> tuple[list[Problem], list[str]]:
-    problems: list[Problem] = []
-    warnings: list[str] = []
-    hpz = zero.get("zero_hpz_partition_size", 1)
-    if not _is_int(hpz) or hpz < 1:
-        return [("zero_optimization.zero_hpz_partition_size", f"must be a whole number >= 1; got {hpz!r}")], []
-    on = [k for k in _ZERO_PP_KEYS if (zero.get(k) is True if k != "zero_hpz_partition_size" else hpz > 1)]
-    if stage is not None and stage != 3:
-        for k in on:
-            problems.append((f"zero_optimization.{k}", f"is a ZeRO++ option, which works only with ZeRO stage 3; "
-                             f"the stage is {stage}. Set zero_optimization.stage to 3, or remove {k}"))
-    if hpz > 1 and run.slots_per_node:
-        bad = sorted({n for n in run.slots_per_node if n % hpz})
-        if bad:
-            problems.append(("zero_optimization.zero_hpz_partition_size", f"{hpz} does not divide the GPUs per node "
-                             f"({', '.join(map(str, bad))}): hierarchical partitioning keeps a secondary copy of the "
-                             "weights within groups of this size on one node. Set it to the GPUs per node "
-                             f"({max(run.slots_per_node)}) or a divisor of it"))
-        elif any(n != hpz for n in run.slots_per_node):
-            warnings.append(f"zero_optimization.zero_hpz_partition_size is {hpz} but the nodes have "
-                            f"{', '.join(map(str, sorted(set(run.slots_per_node))))} GPUs each: it is meant to be "
-                            "the number of GPUs per node")
-    return problems, warnings
 
 
 def _batch_problems(config: Mapping[str, Any], world: int) -> list[Problem]:
