@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -211,7 +212,11 @@ def test_hpz_partition_size_divides_the_gpus_per_node() -> None:
     run = RunFacts(world_size=8, slots_per_node=(4, 4), micro_batch_size=1)
     problems = _problems(_zero(3, zero_hpz_partition_size=3), run=run)
     assert list(problems) == ["zero_optimization.zero_hpz_partition_size"]
-    assert "does not divide the GPUs per node (4)" in problems["zero_optimization.zero_hpz_partition_size"]
+    assert "3 does not divide the world size 8; DeepSpeed refuses it" in \
+        problems["zero_optimization.zero_hpz_partition_size"]
+    uneven = RunFacts(world_size=6, slots_per_node=(4, 2), micro_batch_size=1)  # 3 divides 6, not 4 or 2
+    problems = _problems(_zero(3, zero_hpz_partition_size=3), run=uneven)
+    assert "does not divide the GPUs per node (2, 4)" in problems["zero_optimization.zero_hpz_partition_size"]
     assert resolve(_zero(3, zero_hpz_partition_size=4), DeepSpeedSettings(), run, accelerate=True).warnings == ()
     warned = resolve(_zero(3, zero_hpz_partition_size=2), DeepSpeedSettings(), run, accelerate=True).warnings
     assert len(warned) == 1 and "meant to be the number of GPUs per node" in warned[0]
@@ -430,3 +435,54 @@ def test_orch_plan_prints_its_warnings_before_the_plan(tmp_path) -> None:
     first = r.stderr.splitlines()[0]
     assert first.startswith("warning: zero_optimization.offload_optimizer.device is \"nvme\"") and \
         "1 warning(s), shown above the plan" in r.stderr.splitlines()[-1]
+
+
+def test_zero_plus_plus_values_as_deepspeed_takes_them() -> None:
+    """DeepSpeedZeroConfig: zero_hpz_partition_size is an int >= 0 (0 and 1: off), the quantisation flags bools."""
+    assert check(_zero(3, zero_hpz_partition_size=0), RUN) == ([], [])
+    assert check(_zero(2, zero_hpz_partition_size=1, zero_quantized_gradients=False), RUN) == ([], [])
+    problems = _problems(_zero(3, zero_hpz_partition_size=-1, zero_quantized_nontrainable_weights="yes"))
+    assert set(problems) == {"zero_optimization.zero_hpz_partition_size",
+                             "zero_optimization.zero_quantized_nontrainable_weights"}
+    assert "whole number >= 0" in problems["zero_optimization.zero_hpz_partition_size"]
+    assert "must be true or false; got 'yes'" in problems["zero_optimization.zero_quantized_nontrainable_weights"]
+    assert list(_problems(_zero(1, zero_quantized_nontrainable_weights=True))) == [
+        "zero_optimization.zero_quantized_nontrainable_weights"]
+
+
+def test_quantized_gradients_on_nodes_of_different_sizes_is_a_warning() -> None:
+    run = RunFacts(world_size=6, slots_per_node=(4, 2), micro_batch_size=1)
+    problems, warnings = check(_zero(3, zero_quantized_gradients=True), run)
+    assert problems == [] and len(warnings) == 1 and "_get_local_all_to_all_group" in warnings[0]
+    assert check(_zero(3, zero_quantized_gradients=True), RUN) == ([], [])
+
+
+def test_what_zero_plus_plus_needs_of_the_nodes() -> None:
+    from orchestrator.spec.dszero import nvme_paths, quantized
+    config = _zero(3, zero_quantized_weights=True, zero_quantized_gradients=True, zero_hpz_partition_size=2,
+                   offload_param={"device": "nvme", "nvme_path": "/nvme/p"},
+                   offload_optimizer={"device": "nvme", "nvme_path": "/nvme/o"})
+    assert quantized(config) == ["zero_quantized_weights", "zero_quantized_gradients"]
+    assert quantized(_zero(3, zero_hpz_partition_size=2)) == []  # hpZ alone runs on the CPU (no quantizer)
+    assert nvme_paths(config) == [("offload_optimizer", "/nvme/o"), ("offload_param", "/nvme/p")]
+    # stage 2 treats the nvme device as CPU offload: nothing is swapped to the path
+    assert nvme_paths(_zero(2, offload_optimizer={"device": "nvme", "nvme_path": "/n"})) == []
+
+
+def test_orch_plan_explains_the_zero_plus_plus_example(tmp_path) -> None:
+    """examples/ds_zeropp.json on examples/quickstart.yaml's 2 nodes x 2 slots: accepted, and each option said."""
+    examples = Path(__file__).resolve().parent.parent / "examples"
+    job = tmp_path / "job.yaml"
+    job.write_text(f"name: zpp\nhostfile: {examples.parent / 'hostfiles' / 'local-2x2'}\nworkdir: {examples}\n"
+                   f"entrypoint: train_gpt.py\ndeepspeed_config: {examples / 'ds_zeropp.json'}\n")
+    r = subprocess.run([sys.executable, "-m", "orchestrator", "plan", str(job)], capture_output=True, text=True,
+                       timeout=120, stdin=subprocess.DEVNULL,
+                       env={**os.environ, "ORCH_STATE_DIR": str(tmp_path / "state"), "COLUMNS": "300"})
+    assert r.returncode == 0, r.stderr
+    assert "warning" not in r.stderr, r.stderr
+    out = r.stdout
+    assert "ZeRO++ (extensions of ZeRO stage 3):" in out
+    assert "zero_quantized_weights (qwZ): ZeRO-3's all-gather of each layer's weights sends them as int8" in out
+    assert "zero_quantized_gradients (qgZ): gradients are reduced by an all-to-all of int4-quantized" in out
+    assert "groups here: ranks 0-1 (node-0), ranks 2-3 (node-1)" in out
+    assert "DeepSpeed has none for the CPU accelerator, so preflight refuses a node whose accelerator is cpu" in out

@@ -87,6 +87,8 @@ def _plan(args: argparse.Namespace) -> int:
     ops = ops_line(spec, plan)
     if ops:
         c.print(ops, markup=False, highlight=False, soft_wrap=True)
+    for line in zero_pp_lines(plan):
+        c.print(line, markup=False, highlight=False, soft_wrap=True)
     c.print(checkpoints_line(spec, plan), markup=False, highlight=False, soft_wrap=True)
     print_real_commands(plan, summary)
     native = plan.nodes[0].native.get("command") if plan.nodes and plan.nodes[0].native else None
@@ -159,6 +161,15 @@ def checkpoints_line(spec, plan) -> str:
             "sets ORCH_RESUME_CHECKPOINT and ORCH_RESUME_TAG only")
     return (f"checkpoints: {plan.resume_dir} ({fmt} format: {why}); agents hash them ({spec.resume.hash}); "
             f"a resume {told}")
+
+
+def zero_pp_lines(plan) -> list[str]:
+    """What the resolved DeepSpeed config's ZeRO++ options do on this plan (``orchestrator.spec.dszero.explain``:
+    quantized weights and gradients, the hpZ groups with their hosts, the accelerator quantisation needs)."""
+    from ...spec.dszero import explain
+    if not plan.deepspeed_config:
+        return []
+    return explain(plan.deepspeed_config, [(n.host, [r.global_rank for r in n.ranks]) for n in plan.nodes])
 
 
 def ops_line(spec, plan) -> str | None:
