@@ -25,6 +25,15 @@ Not a claim (a setting, a formula or a shape, never a result), by these rules on
 
 A paragraph with at least one claim passes only if it names a bench command (``bench/<file>.py`` of a file
 that exists, or ``python -m bench``) or says "not measured". The test lists every offender at once.
+
+A **statement about another tool's behaviour** (issue 21, point 1) is, narrowly: one of DeepSpeed (or "the
+runner", a `` `deepspeed ...` `` run, ``launch.py``), pdsh, torchrun, `` `accelerate launch` ``/Accelerate,
+mpirun, mpiexec, srun/Slurm, Ray, gloo or NCCL, followed within three words (none of them "orch") by one of
+never, hang(s), wait(s), leaves, notice(s), restart(s), ignore(s), drop(s), silently, quietly, keeps, ends,
+exits, kill(s), refuses, warns, fail(s). Its paragraph passes only if it names its evidence: a bench
+command or "not measured" (as above), an existing ``tests/<file>.py``, "not tested", or the tool's own code
+in a code span (a ``.py`` file, a ``Class.method`` or a ``call()``: `` `runner.py main()` ``,
+`` `DeepSpeedPlugin.fill_match` ``).
 """
 
 from __future__ import annotations
@@ -143,6 +152,42 @@ def offenders(files: list[Path], bench_dir: Path = ROOT / "bench") -> list[Offen
     return found
 
 
+TOOL = (r"(?:DeepSpeed(?:'s)?(?: \w+)?|the runner|`deepspeed[^`\n]*`(?: run)?|`?launch\.py`?|pdsh|`?torchrun`?"
+        r"|`accelerate launch`|Accelerate(?:'s \w+)?|`?mpirun`?|`?mpiexec`?|`?srun`?(?: step)?|Slurm|Ray(?: actor)?"
+        r"|gloo|NCCL)")
+BEHAVIOUR = (r"(?:never|hangs?|waits?|leaves|notices?|restarts?|ignores?|drops?|silently|quietly|keeps|ends|exits"
+             r"|kills?|refuses|warns|fails?)")
+TOOL_CLAIM = re.compile(rf"(?<!\w){TOOL}\s+(?:(?!orch\b)[\w'`,]+\s+){{0,3}}?{BEHAVIOUR}\b")
+TOOL_CODE = re.compile(r"`[^`\n]*(?:\.py\b|\b[A-Z]\w*\.\w+|\w\(\))[^`\n]*`")
+TEST_FILE = re.compile(r"\btests/(\w+)\.py\b")
+OWN_FILE = re.compile(r"\b(?:tests|bench|examples|orchestrator|agents)/[\w/]*\.py\b")  # this project's, not the tool's
+
+
+def tool_claims(text: str) -> list[str]:
+    """The statements about another tool's behaviour in ``text`` (its words from the tool to the verb)."""
+    return [m.group() for m in TOOL_CLAIM.finditer(" ".join(text.split()))]
+
+
+def cites_evidence(text: str, root: Path = ROOT) -> bool:
+    """Whether ``text`` names evidence for a tool's behaviour: what ``cites_source`` accepts, an existing
+    ``tests/<file>.py`` under ``root``, "not tested", or the tool's code in a code span."""
+    flat = " ".join(text.split())
+    if cites_source(flat, root / "bench") or "not tested" in flat.lower() or TOOL_CODE.search(OWN_FILE.sub("", flat)):
+        return True
+    return any((root / "tests" / f"{m.group(1)}.py").exists() for m in TEST_FILE.finditer(flat))
+
+
+def tool_offenders(files: list[Path], root: Path = ROOT) -> list[Offender]:
+    """Every paragraph of ``files`` with a statement about another tool's behaviour and no evidence."""
+    found = []
+    for path in files:
+        for para in paragraphs(path):
+            said = tool_claims(para.text)
+            if said and not cites_evidence(para.text, root):
+                found.append(Offender(para, tuple(said)))
+    return found
+
+
 def doc_files() -> list[Path]:
     """README.md, docs/*.md and bench/README.md of this checkout."""
     return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "bench" / "README.md"]
@@ -155,6 +200,13 @@ def test_every_figure_in_the_docs_names_its_bench_command_or_says_not_measured()
     if bad:
         pytest.fail(f"{len(bad)} paragraphs state figures with no bench command and no 'not measured':\n"
                     + "\n".join(o.describe() for o in bad), pytrace=False)
+
+
+def test_every_statement_about_another_tools_behaviour_names_its_evidence() -> None:
+    bad = tool_offenders(doc_files())
+    if bad:
+        pytest.fail(f"{len(bad)} paragraphs say what another tool does with no bench command, test, code of the "
+                    "tool, 'not measured' or 'not tested':\n" + "\n".join(o.describe() for o in bad), pytrace=False)
 
 
 # The scanner's own rules, on small texts.
@@ -213,3 +265,22 @@ def test_the_page_python_m_bench_writes_names_the_command_in_every_paragraph(
     paras = paragraphs(doc)
     assert [claims(p.text) for p in paras] == [[], ["10.57s", "4.67s", "10.27 s"], ["0.41x"], ["344 s"]]
     assert offenders([doc]) == []
+
+
+def test_statements_about_other_tools_and_the_evidence_that_passes_them(tmp_path: Path) -> None:
+    assert tool_claims("DeepSpeed's runner never notices a cut link; torchrun restarts every node") == \
+        ["DeepSpeed's runner never", "torchrun restarts"]
+    assert tool_claims("a bare `deepspeed --hostfile` run\nhangs; pdsh leaves processes; Accelerate silently keeps") \
+        == ["`deepspeed --hostfile` run hangs", "pdsh leaves", "Accelerate silently"]
+    assert tool_claims("DeepSpeed's semantics; orch refuses; the runner's exports; NCCL_DEBUG") == []
+    assert tool_claims("DeepSpeed's launchers orch never changes") == []  # orch is the subject
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_real.py").write_text("")
+    for evidence in ["`tests/test_real.py`", "not tested here", "Not measured", "`runner.py` `main()`",
+                     "(`DeepSpeedPlugin.fill_match`)", "`fetch_hostfile()`"]:
+        assert cites_evidence(f"pdsh leaves processes ({evidence}).", tmp_path), evidence
+    for none in ["`tests/test_invented.py`", "`examples/train.py`", "a test", "`deepspeed`", "`--launcher`"]:
+        assert not cites_evidence(f"pdsh leaves processes ({none}).", tmp_path), none
+    doc = tmp_path / "d.md"
+    doc.write_text("pdsh leaves processes.\n\npdsh leaves processes (`tests/test_real.py`).\n\norch never hangs.\n")
+    assert [o.paragraph.line for o in tool_offenders([doc], tmp_path)] == [1]
