@@ -20,6 +20,8 @@ answered by a ``preflight_result`` (see :mod:`agents.link`):
       :mod:`agents.network` chooses); a loopback master of a job that spans hosts fails;
     * ``build_locks``: (a DeepSpeed job) no stale torch extension build lock where the ranks build
       ops (:mod:`agents.buildlocks`);
+    * ``zero_pp``, ``nvme``: (a config with ZeRO++ quantisation, NVMe offload) the accelerator has DeepSpeed's
+      quantizer kernels; libaio, and each ``nvme_path`` writable with space (:mod:`agents.preflight_features`);
     * ``ops``: (a DeepSpeed job, once the three checks above passed) the DeepSpeed ops its config needs are
       built, or found built, where the ranks load them (:mod:`agents.opbuild`): once per node, before any
       rank starts;
@@ -52,6 +54,7 @@ import time
 from typing import Any, Callable, Mapping
 
 from . import buildlocks, network, opbuild
+from . import preflight_features as features
 from .ranks import _die_with_parent
 
 __all__ = ["NodePreflight", "run_in_thread", "PASSED", "FAILED", "SKIPPED", "TOKEN_PREFIX"]
@@ -194,12 +197,54 @@ class NodePreflight:
             results.append(_result("build_locks", SKIPPED, skip["build_locks"], time.monotonic()))
         else:
             results.append(self._build_locks())
+        libaio = self._start_libaio(msg, skip, workdir if workdir_ok else "/")
         results += self._finish_probe(probe, probe_started, msg, skip, mode, workdir_ok,
                                       float(msg.get("timeout_s") or 60.0))
+        results += self._features(msg, skip, results, libaio)
         results.append(self._ops(msg, skip, results, workdir if workdir_ok else "/"))
         order = ("python", "deepspeed", "workdir", "entrypoint", "checkpoint_dir", "master_port", "network",
-                 "build_locks", "ops")
+                 "build_locks", "zero_pp", "nvme", "ops")
         return sorted(results, key=lambda r: order.index(r["name"]) if r["name"] in order else len(order))
+
+    # -- what the DeepSpeed config's features need (agents.preflight_features) ------------------
+
+    def _start_libaio(self, msg: dict[str, Any], skip: Mapping[str, str], cwd: str) -> Any:
+        """Start DeepSpeed's libaio test for an NVMe-offload job beside the Python probe (None if not asked)."""
+        if "nvme" in skip or not (msg.get("nvme") or {}).get("paths") or "deepspeed" in skip:
+            return None
+        with self._lock:
+            if self._aborted:
+                return None
+            probe = features.start_libaio_probe(str(msg.get("python")), self.env, cwd)
+            if not isinstance(probe, OSError):
+                self._builds.append(probe)  # abort() kills it
+        return probe
+
+    def _features(self, msg: dict[str, Any], skip: Mapping[str, str], results: list[dict[str, Any]],
+                  libaio: Any) -> list[dict[str, Any]]:
+        """The ``zero_pp`` and ``nvme`` checks (:mod:`agents.preflight_features`), or their skipped results."""
+        now = time.monotonic()
+        zero_pp = [str(k) for k in msg.get("zero_pp") or []]
+        out = [_result("zero_pp", SKIPPED, skip.get("zero_pp", "no ZeRO++ quantisation"), now) if "zero_pp" in skip
+               or not zero_pp else features.zero_pp(self.env, zero_pp)]
+        nvme = msg.get("nvme") or {}
+        if "nvme" in skip or not nvme.get("paths"):
+            return out + [_result("nvme", SKIPPED, skip.get("nvme", "no NVMe offload"), now)]
+        self.current = "nvme"
+        if libaio is not None and any(r["name"] in ("python", "deepspeed") and r["status"] != PASSED for r in results):
+            if not isinstance(libaio, OSError):
+                self._kill(libaio)
+            libaio = None
+        return out + [features.nvme(nvme["paths"], float(nvme.get("min_free_gb") or 0.0), libaio, self.env,
+                                    float(msg.get("timeout_s") or 60.0))]
+
+    @staticmethod
+    def _kill(proc: subprocess.Popen[bytes]) -> None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        proc.communicate()
 
     # -- file system checks --------------------------------------------------------------------
 
@@ -309,6 +354,10 @@ class NodePreflight:
         op's outcome) and ``dir`` (the ranks' ``TORCH_EXTENSIONS_DIR``)."""
         t = time.monotonic()
         ops = [op for op in msg.get("ops") or [] if isinstance(op, dict) and op.get("builder") and op.get("name")]
+        nvme = next((r for r in results if r["name"] == "nvme"), {})
+        why = "libaio is missing" if nvme.get("libaio") is False else "NVMe offload cannot run"
+        left_out = [op["name"] for op in ops if nvme.get("status") == FAILED and op["builder"] == "AsyncIOBuilder"]
+        ops = [op for op in ops if op["name"] not in left_out]  # minutes of build for ranks that will not start
         if "ops" in skip or not ops:
             return _result("ops", SKIPPED, skip.get("ops", "no DeepSpeed op to build"), t)
         blocked = [r["name"] for r in results if r["name"] in ("python", "deepspeed", "build_locks")
@@ -325,7 +374,8 @@ class NodePreflight:
         words = {opbuild.BUILT: "built in {s:.1f} s", opbuild.CACHED: "loaded from cache",
                  opbuild.NOT_NEEDED: "not needed ({d})", opbuild.FAILED: "failed to build: {d}"}
         detail = "; ".join(f"{o['name']} " + words.get(o["status"], o["status"]).format(
-            s=float(o.get("seconds") or 0.0), d=o.get("detail", "")) for o in outcome) + f" (in {where})"
+            s=float(o.get("seconds") or 0.0), d=o.get("detail", "")) for o in outcome) + f" (in {where})" + \
+            "".join(f"; {name} not built: {why} (the nvme check)" for name in left_out)
         status = FAILED if any(o["status"] == opbuild.FAILED for o in outcome) else PASSED
         return {**_result("ops", status, detail, t), "ops": outcome, "dir": where}
 

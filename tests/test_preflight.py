@@ -238,17 +238,20 @@ def test_nodes_still_checking_at_the_timeout_are_named_with_their_check(tmp_path
 
 def test_which_checks_apply(tmp_path) -> None:
     spec, plan = _plan(tmp_path, 2)
+    features = {"zero_pp": "the DeepSpeed config turns on no ZeRO++ quantisation (zero_quantized_*) at stage 3",
+                "nvme": "the DeepSpeed config offloads nothing to NVMe (offload_* device nvme at stage 3)"}
     assert skipped_checks(spec, plan) == {
         "deepspeed": "the spec has no deepspeed_config, so the job is not known to use DeepSpeed",
         "build_locks": "the job is not known to build DeepSpeed's ops",
-        "ops": "the job is not known to build DeepSpeed's ops"}
+        "ops": "the job is not known to build DeepSpeed's ops", **features}
     spec, plan = _plan(tmp_path, 2, deepspeed_config=DS_CONFIG)
-    assert skipped_checks(spec, plan) == {}
+    assert skipped_checks(spec, plan) == features  # tests/test_preflight_features.py: when they apply
     spec, plan = _plan(tmp_path, 1, deepspeed_config=DS_CONFIG)
-    assert skipped_checks(spec, plan) == {"shared_checkpoint_dir": "one node: nothing to share with"}
+    assert skipped_checks(spec, plan) == {"shared_checkpoint_dir": "one node: nothing to share with", **features}
     spec, plan = _plan(tmp_path, 2, no_python=True, entrypoint="true", deepspeed_config=DS_CONFIG,
                        preflight={"shared_checkpoint_dir": False})
-    assert set(skipped_checks(spec, plan)) == {"python", "deepspeed", "build_locks", "ops", "shared_checkpoint_dir"}
+    assert set(skipped_checks(spec, plan)) == {"python", "deepspeed", "build_locks", "ops", "shared_checkpoint_dir",
+                                               "zero_pp", "nvme"}
 
 
 def test_preflight_spec_options(tmp_path) -> None:
@@ -279,7 +282,8 @@ def test_passing_preflight_records_every_check_and_starts_the_ranks(orch, write_
     got = {(n["host"], c["name"]): c["status"] for n in event["nodes"] for c in n["checks"]}
     assert got == {(h, c): "passed" for h in ("node-0", "node-1") for c in
                    ("python", "deepspeed", "workdir", "entrypoint", "checkpoint_dir", "network", "build_locks",
-                    "ops", "shared_checkpoint_dir")} | {("node-0", "master_port"): "passed", ("node-1", "master_port"): "skipped"}
+                    "ops", "shared_checkpoint_dir")} | {("node-0", "master_port"): "passed", ("node-1", "master_port"): "skipped"} \
+        | {(h, c): "skipped" for h in ("node-0", "node-1") for c in ("zero_pp", "nvme")}
     details = {(n["host"], c["name"]): c["detail"] for n in event["nodes"] for c in n["checks"]}
     assert f"(Python {sys.version_info.major}.{sys.version_info.minor}." in details[("node-0", "python")]
     assert details[("node-1", "deepspeed")].startswith("deepspeed ")

@@ -67,6 +67,8 @@ class PreflightOptions(BaseModel):
                                         "(shared storage); false for node-local checkpoint directories.")
     import_deepspeed: bool = Field(False, description="Import deepspeed under the spec's Python (seconds per "
                                    "node) instead of only finding deepspeed and torch (milliseconds).")
+    nvme_min_free_gb: float = Field(1.0, ge=0, description="GiB each nvme_path of an NVMe-offload job must have "
+                                    "free on every node (check nvme); 0: no minimum.")
 
     @model_validator(mode="before")
     @classmethod

@@ -4,7 +4,8 @@ the verdict over the nodes' answers. Pure (no I/O); ``AttemptRun`` carries the m
 Between every agent's ``hello`` and the first rank's start, each node checks (in
 :mod:`agents.preflight`) the spec's Python, DeepSpeed, the workdir and entrypoint, the
 checkpoint directory and, on node 0, the master port, and builds (or finds built) the DeepSpeed ops
-the job's config needs where its ranks load them, once per node (``ops``; phase ``check``); then every node
+the job's config needs where its ranks load them, once per node (``ops``; phase ``check``), and what the config's features need there (``zero_pp``: ZeRO++ quantisation on an
+accelerator with DeepSpeed's kernels; ``nvme``: libaio and the NVMe paths); then every node
 that could write into the checkpoint directory says which nodes' token files it sees there
 (phase ``list``), which shows whether the directory is one shared directory. A failing
 check fails the attempt with cause ``preflight_failed`` before any rank starts; the
@@ -29,12 +30,13 @@ from typing import Any, Callable, Iterable
 from ..planning import JobPlan
 from ..spec import JobSpec
 from ..spec.dsops import ops_needed
+from ..spec.dszero import nvme_paths, quantized
 
 __all__ = ["PreflightRound", "CHECKS", "TOKEN_PREFIX", "token_dir", "skipped_checks", "ops_summary"]
 
 #: Every check, in the order results are shown.
 CHECKS = ("python", "deepspeed", "workdir", "entrypoint", "checkpoint_dir", "master_port", "network",
-          "build_locks", "ops", "shared_checkpoint_dir")
+          "build_locks", "zero_pp", "nvme", "ops", "shared_checkpoint_dir")
 #: Seconds the ``ops`` check may take to build DeepSpeed's ops when the spec has no ``startup_timeout``
 #: (the ranks would have built them within that deadline).
 OPS_TIMEOUT_S = 900.0
@@ -55,7 +57,8 @@ def skipped_checks(spec: JobSpec, plan: JobPlan) -> dict[str, str]:
     DeepSpeed config (the spec's ``deepspeed_config``, or one built from an Accelerate
     config), or that asks for ``deepspeed_args`` (so does ``build_locks``); ``python`` and ``deepspeed`` do not apply
     under ``no_python`` (the entrypoint runs without the spec's Python); the shared-storage
-    check needs two nodes and can be turned off (``preflight.shared_checkpoint_dir``).
+    check needs two nodes and can be turned off (``preflight.shared_checkpoint_dir``); ``zero_pp`` applies to a
+    config with ZeRO++ quantisation, ``nvme`` to one that offloads to NVMe (``orchestrator.spec.dszero``).
     """
     skip: dict[str, str] = {}
     if spec.no_python:
@@ -64,6 +67,14 @@ def skipped_checks(spec: JobSpec, plan: JobPlan) -> dict[str, str]:
         skip["deepspeed"] = "the spec has no deepspeed_config, so the job is not known to use DeepSpeed"
     if "deepspeed" in skip:
         skip["build_locks"] = skip["ops"] = "the job is not known to build DeepSpeed's ops"
+    config = plan.deepspeed_config or {}
+    if "python" in skip:
+        skip["zero_pp"] = skip["nvme"] = skip["python"]
+    else:
+        if not quantized(config):
+            skip["zero_pp"] = "the DeepSpeed config turns on no ZeRO++ quantisation (zero_quantized_*) at stage 3"
+        if not nvme_paths(config):
+            skip["nvme"] = "the DeepSpeed config offloads nothing to NVMe (offload_* device nvme at stage 3)"
     if not spec.preflight.shared_checkpoint_dir:
         skip["shared_checkpoint_dir"] = "turned off (preflight.shared_checkpoint_dir: false)"
     elif len(plan.nodes) < 2:
@@ -133,7 +144,10 @@ class PreflightRound:
                   "mode": _mode(spec), "checkpoint_dir": plan.checkpoint_dir,
                   "deepspeed": "import" if spec.preflight.import_deepspeed else "find", "shared": shared,
                   "timeout_s": round(self.timeout_s * 0.75, 3), "heartbeat_s": self.heartbeat_s,
-                  "lease_s": self.lease_s, "ops": self.ops, "ops_timeout_s": self.ops_timeout_s}
+                  "lease_s": self.lease_s, "ops": self.ops, "ops_timeout_s": self.ops_timeout_s,
+                  "zero_pp": [] if "zero_pp" in self.skip else quantized(plan.deepspeed_config or {}),
+                  "nvme": None if "nvme" in self.skip else {"paths": nvme_paths(plan.deepspeed_config or {}),
+                                                            "min_free_gb": spec.preflight.nvme_min_free_gb}}
         out = {}
         for node in plan.nodes:
             master = {"addr": plan.master_addr, "port": plan.master_port} if node.node_rank == 0 else None
