@@ -433,6 +433,22 @@ def test_moe_and_pipeline_layouts_from_headers(tmp_path: Path) -> None:
                      checkpoint_parallel_dimensions={"pp_degree": 2, "tp_degree": 1})
     lay = layout_from_header(stage0, tmp_path)  # mp_rank_01 is absent: only stage 0's layers are known
     assert lay.pipeline and lay.pipeline_layers == ("layer_00-model_states.pt", "layer_02-model_states.pt")
+    assert not lay.pipeline_parallel_write and not layout_from_header(_header(), tmp_path).pipeline_parallel_write
+
+
+def test_pipeline_layer_files_written_in_parallel_name_their_writers(tmp_path: Path) -> None:
+    """``checkpoint.parallel_write.pipeline_stage`` spreads a stage's layer files over its data-parallel ranks
+    (``PipelineModule.save_state_dict``): a missing one names no single rank."""
+    cfg = {"zero_optimization": {"stage": 1}, "checkpoint": {"parallel_write": {"pipeline_stage": True}}}
+    header = _header(module=None, dp_world_size=1, mp_world_size=1, param_shapes=[{"0.weight": (1,)}], ds_config=cfg,
+                     checkpoint_parallel_dimensions={"pp_degree": 1, "tp_degree": 1})
+    import torch
+    torch.save(header, tmp_path / "mp_rank_00_model_states.pt")
+    torch.save({"s": 1}, tmp_path / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    layout, problems = tag_problems(tmp_path)
+    assert layout.pipeline and layout.pipeline_parallel_write
+    assert problems == ["layer_00-model_states.pt is missing (a pipeline layer's weights, written by one of its "
+                        "stage's data-parallel ranks (checkpoint.parallel_write.pipeline_stage))"]
 
 
 def test_headers_not_written_by_deepspeed(tmp_path: Path) -> None:

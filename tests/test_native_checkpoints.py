@@ -336,3 +336,42 @@ def test_a_directory_gone_after_checkpoints_were_recorded_is_not_called_never_sa
         check_reachable(store, "j-1", choose(gone))
     check_reachable(store, "j-2", choose(gone))  # nothing recorded: the usual rules (--fresh) apply
     store.close()
+
+
+# --------------------------------------------------------------------------- pipeline parallelism
+
+
+def pipe_tag(root: Path, step: int) -> Path:
+    """A 2-stage ZeRO-1 ``PipelineEngine`` tag (data parallel 1) laid out as DeepSpeed 0.19.8 saves it: per
+    stage ``mp_rank_<stage>_model_states.pt`` (``module`` None; ``param_shapes`` names layers ``<idx>.<param>``)
+    and one optimizer partition; per layer ``layer_<idx>-model_states.pt`` (stage 0: layers 0-2, 1 an activation;
+    stage 1: layers 3-4). As examples/pipe_train.py's real saves (tests/test_pipeline.py)."""
+    d = root / f"global_step{step}"
+    d.mkdir(parents=True)
+    for stage, layers in ((0, (0, 2)), (1, (3, 4))):
+        header = {"module": None, "optimizer": None, "global_steps": step, "dp_world_size": 1, "mp_world_size": 2,
+                  "param_shapes": [{f"{i}.{p}": torch.Size([4]) for i in layers for p in ("weight", "bias")}],
+                  "checkpoint_parallel_dimensions": {"pp_degree": 2, "tp_degree": 1},
+                  "ds_config": {"zero_optimization": {"stage": 1}}, "ds_version": "0.19.8"}
+        torch.save(header, d / f"mp_rank_{stage:02d}_model_states.pt")
+        torch.save({"optimizer_state_dict": {"s": torch.zeros(8)}}, d / f"zero_pp_rank_0_mp_rank_{stage:02d}_optim_states.pt")
+    for i in range(5):
+        torch.save({} if i == 1 else {"weight": torch.zeros(4), "bias": torch.zeros(4)}, d / f"layer_{i:02d}-model_states.pt")
+    (root / "latest").write_text(d.name)
+    return d
+
+
+def test_a_pipeline_tag_missing_a_layer_file_is_not_chosen(tmp_path: Path) -> None:
+    older, newest = pipe_tag(tmp_path, 10), pipe_tag(tmp_path, 20)
+    info = get_format("deepspeed").inspect(older)
+    assert info.complete and (info.world_size, info.dp_world_size, info.zero_stage) == (2, 1, 1)  # 2 stages x dp 1
+    (newest / "layer_03-model_states.pt").unlink()  # stage 1's first layer: named by its param_shapes
+    c = choose(tmp_path)
+    assert c.chosen.tag == "global_step10" and [s.tag for s in c.skipped] == ["global_step20"]
+    assert c.skipped[0].problems == ("layer_03-model_states.pt is missing (a pipeline layer's weights, written by "
+                                     "data-parallel rank 0 of its stage)",)
+    (newest / "layer_03-model_states.pt").write_bytes(b"")  # an empty file where the layer was: damaged, not done
+    assert choose(tmp_path).chosen.tag == "global_step10"
+    os.truncate(older / "mp_rank_01_model_states.pt", 50)  # stage 1's header cut short: no tag is complete
+    c = choose(tmp_path)
+    assert c.chosen is None and any(p.startswith("mp_rank_01_model_states.pt") for p in c.skipped[1].problems), c.skipped

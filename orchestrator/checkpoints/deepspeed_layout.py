@@ -24,8 +24,14 @@ another file is named; line numbers of 0.19.8):
   ``module`` None): each layer with a ``state_dict`` is ``layer_<idx:02d>[-<rank repr>]-model_states.pt``
   (``PipelineModule.ckpt_layer_path``, runtime/pipe/module.py 588; the rank repr is ``model_<tp:02d>``
   when the topology has a ``model`` axis, ``ProcessTopology.get_rank_repr``, runtime/pipe/topology.py
-  69), written by data-parallel rank 0 of each stage (``save_state_dict`` 607). ``mp_world_size`` is
-  stages x tensor slices (``PipelineParallelGrid.get_model_parallel_rank``, topology.py 446).
+  69), written by data-parallel rank 0 of each stage (``save_state_dict`` 607), or spread over the stage's
+  data-parallel ranks with ``checkpoint.parallel_write.pipeline_stage`` (``ds_utils.partition_uniform``;
+  ``get_checkpoint_parallel_write_pipeline``, runtime/config.py 398). ``mp_world_size`` is stages x tensor
+  slices (``PipelineParallelGrid.get_model_parallel_rank``, topology.py 446). Pipelines take ZeRO stage 0 or
+  1 only (``PipelineEngine.__init__``, runtime/pipe/engine.py 76). Layers without parameters (an activation
+  module, whose empty ``state_dict`` is saved too) and every layer of a stage-0 save (no ``param_shapes``)
+  are known only from the files present: the manifest finds such a file deleted after a save orch watched,
+  and DeepSpeed's ``load_state_dir`` fails on one that is missing.
 * MoE, ``_save_moe_checkpoint`` (5040): ``layer_<moe layer>_expert_<expert>_mp_rank_<mp:02d>_model_states.pt``
   per MoE layer and global expert (``_get_expert_ckpt_name`` 4368; none for AutoEP under ZeRO-3);
   without ZeRO also ``expp_rank_<ep>_mp_rank_<mp:02d>_optim_states.pt`` per expert-parallel rank of
@@ -81,6 +87,8 @@ class DeepSpeedLayout:
         pipeline: saved by a ``PipelineEngine`` (``module`` is None in the header).
         pp_degree, tp_degree: ``checkpoint_parallel_dimensions``.
         pipeline_layers: the ``layer_XX-...model_states.pt`` files required (pipeline only).
+        pipeline_parallel_write: ``checkpoint.parallel_write.pipeline_stage``: a stage's layer files are
+            spread over its data-parallel ranks, not all written by its data-parallel rank 0.
         moe_experts: experts per MoE layer (``num_experts``); empty without MoE.
         expert_parallel_size: ranks of the largest expert-parallel group (MoE without ZeRO), or None.
         autoep: AutoEP layers (``ds_autoep_layers``) are recorded.
@@ -100,6 +108,7 @@ class DeepSpeedLayout:
     pp_degree: int = 1
     tp_degree: int = 1
     pipeline_layers: tuple[str, ...] = ()
+    pipeline_parallel_write: bool = False
     moe_experts: tuple[int, ...] = ()
     expert_parallel_size: int | None = None
     autoep: bool = False
@@ -278,6 +287,8 @@ def layout_from_header(header: dict, tag_dir: str | os.PathLike) -> DeepSpeedLay
         global_steps=steps if isinstance(steps, int) and not isinstance(steps, bool) else None,
         pipeline=pipeline, pp_degree=max(pp, 1), tp_degree=max(tp, 1),
         pipeline_layers=_pipeline_layers(tag_dir, header, mp, max(tp, 1)) if pipeline else (),
+        pipeline_parallel_write=pipeline and _flag(
+            _section(_section(cfg, "checkpoint"), "parallel_write").get("pipeline_stage", False)),
         moe_experts=experts,
         expert_parallel_size=_expert_parallel_size(tag_dir, header) if experts and stage == 0 else None,
         autoep=bool(header.get("ds_autoep_layers")),
@@ -326,8 +337,10 @@ def _moe_files(layout: DeepSpeedLayout) -> list[tuple[str, str]]:
 def _expected(layout: DeepSpeedLayout) -> list[tuple[str, str]]:
     """``[(name relative to the tag directory, who writes it)]`` in a stable order."""
     out = _model_and_optimizer(layout)
+    writer = ("one of its stage's data-parallel ranks (checkpoint.parallel_write.pipeline_stage)"
+              if layout.pipeline_parallel_write else "data-parallel rank 0 of its stage")
     for name in layout.pipeline_layers:
-        out.append((name, "a pipeline layer's weights, written by data-parallel rank 0 of its stage"))
+        out.append((name, f"a pipeline layer's weights, written by {writer}"))
     if layout.moe:
         out += _moe_files(layout)
     if layout.nvme_offload and not layout.node_local_storage:
