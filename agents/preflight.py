@@ -236,7 +236,7 @@ class NodePreflight:
                 self._kill(libaio)
             libaio = None
         return out + [features.nvme(nvme["paths"], float(nvme.get("min_free_gb") or 0.0), libaio, self.env,
-                                    float(msg.get("timeout_s") or 60.0))]
+                                    float(msg.get("timeout_s") or 60.0), str(msg.get("workdir") or "/"))]
 
     @staticmethod
     def _kill(proc: subprocess.Popen[bytes]) -> None:

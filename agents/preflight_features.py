@@ -145,9 +145,10 @@ def _path(path: str, min_free: int) -> tuple[bool, str]:
 
 
 def nvme(paths: Sequence[Sequence[str]], min_free_gb: float, probe: subprocess.Popen[bytes] | OSError | None,
-         env: Mapping[str, str], timeout: float) -> dict[str, Any]:
+         env: Mapping[str, str], timeout: float, workdir: str = "/") -> dict[str, Any]:
     """The ``nvme`` check: libaio (the probe :func:`start_libaio_probe` started, or None when it could not be)
-    and every ``(section, nvme_path)`` of the config (``orchestrator.spec.dszero.nvme_paths``).
+    and every ``(section, nvme_path)`` of the config (``orchestrator.spec.dszero.nvme_paths``; a relative path is
+    taken from the ranks' ``workdir``, as the ranks open it).
 
     Returns:
         The check's result; its ``libaio`` is True, False or None (not known), for the ops check to skip the
@@ -161,7 +162,7 @@ def nvme(paths: Sequence[Sequence[str]], min_free_gb: float, probe: subprocess.P
         if path in seen:
             continue
         seen.add(path)
-        good, sentence = _path(str(path), min_free)
+        good, sentence = _path(os.path.join(workdir, str(path)), min_free)
         ok &= good
         sentences.append(f"{sentence} ({section})")
     libaio, why = _libaio(probe, env, timeout)

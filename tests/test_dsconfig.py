@@ -467,6 +467,7 @@ def test_what_zero_plus_plus_needs_of_the_nodes() -> None:
     assert nvme_paths(config) == [("offload_optimizer", "/nvme/o"), ("offload_param", "/nvme/p")]
     # stage 2 treats the nvme device as CPU offload: nothing is swapped to the path
     assert nvme_paths(_zero(2, offload_optimizer={"device": "nvme", "nvme_path": "/n"})) == []
+    assert nvme_paths(_zero(3, offload_param={"device": "nvme", "nvme_path": "auto"})) == []  # the script fills it
 
 
 def test_orch_plan_explains_the_zero_plus_plus_example(tmp_path) -> None:

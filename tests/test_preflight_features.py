@@ -70,6 +70,10 @@ def test_free_space_below_the_minimum_is_said_with_what_is_free(tmp_path) -> Non
         "preflight.nvme_min_free_gb (1.07374e+09 GiB)" in sentence
     ok, sentence = preflight_features._path(str(tmp_path / "swap"), 0)
     assert ok and sentence.startswith(f"nvme_path {tmp_path / 'swap'} is writable, ") and sentence.endswith("GiB free")
+    # a relative nvme_path is the ranks' (from their workdir), not the agent's
+    result = preflight_features.nvme([("offload_param", "rel-swap")], 0, None, {}, 5, workdir=str(tmp_path))
+    assert (tmp_path / "rel-swap").is_dir() and f"nvme_path {tmp_path / 'rel-swap'} is writable" in result["detail"]
+    assert result["status"] == "failed" and result["libaio"] is None  # no probe: libaio not known is not a pass
 
 
 def test_zero_pp_quantisation_is_refused_on_cpu_naming_each_node(orch, write_spec, hostfile, tmp_path) -> None:

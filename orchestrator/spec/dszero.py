@@ -168,7 +168,8 @@ def nvme_paths(config: Mapping[str, Any]) -> list[tuple[str, str]]:
     for part in ("offload_optimizer", "offload_param"):
         section = _section(zero, part)
         path = section.get("nvme_path")
-        if str(section.get("device") or "none").lower() == "nvme" and zero.get("stage") == 3 and path:
+        if str(section.get("device") or "none").lower() == "nvme" and zero.get("stage") == 3 and path \
+                and path != AUTO:  # "auto": the script's Accelerate fills it, orch cannot know it
             out.append((part, str(path)))
     return out
 
