@@ -375,3 +375,16 @@ def test_a_pipeline_tag_missing_a_layer_file_is_not_chosen(tmp_path: Path) -> No
     os.truncate(older / "mp_rank_01_model_states.pt", 50)  # stage 1's header cut short: no tag is complete
     c = choose(tmp_path)
     assert c.chosen is None and any(p.startswith("mp_rank_01_model_states.pt") for p in c.skipped[1].problems), c.skipped
+
+
+def test_a_pipeline_checkpoint_resumes_on_its_stages_times_its_data_parallel_ranks() -> None:
+    """A 2-stage pipeline saved by 1 data-parallel rank (world 2) resumes on 2 ranks, not on 1 or 4."""
+    from orchestrator.checkpoints.tags import CheckpointInfo
+    from orchestrator.supervision.resume import check_world
+    info = CheckpointInfo("global_step4", "/ck/global_step4", 4, world_size=2, zero_stage=1, dp_world_size=1,
+                          format="deepspeed")
+    check_world(info, 2)
+    for world in (1, 3, 4):
+        with pytest.raises(CheckpointError, match=r"saved by 1 data-parallel ranks x 2 model-parallel ranks, .* "
+                                                  rf"has {world} ranks.*Resume on 2 ranks"):
+            check_world(info, world)

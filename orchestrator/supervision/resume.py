@@ -95,17 +95,25 @@ def check_world(info: CheckpointInfo, world_size: int) -> None:
     world size alone (``DeepSpeedEngine._load_zero_checkpoint``: "The checkpoint being loaded used a DP
     world size of ..."). orch converts only its own format's checkpoints to the universal format.
 
+    The attempt's data-parallel size is ``world_size`` divided by the checkpoint's model-parallel degree
+    (``info.world_size // info.dp_world_size``: pipeline stages x tensor slices, which the script fixes),
+    so a 2-stage pipeline saved by 1 data-parallel rank resumes on 2 ranks.
+
     Raises:
-        CheckpointError: it was saved by another number of ranks; names both and what to do.
+        CheckpointError: it was saved by another number of data-parallel ranks; names both and what to do.
     """
     saved = info.dp_world_size
-    if not info.zero_stage or saved is None or saved == world_size:
+    if not info.zero_stage or saved is None or saved <= 0:
         return
+    mp = info.world_size // saved if info.world_size and info.world_size % saved == 0 else 1
+    if world_size % mp == 0 and world_size // mp == saved:
+        return
+    model = f" x {mp} model-parallel ranks" if mp > 1 else ""
     raise CheckpointError(f"Checkpoint {info.path} ({info.format} format, ZeRO stage {info.zero_stage}) was saved by "
-                          f"{saved} data-parallel ranks, but this attempt has {world_size}: DeepSpeed loads ZeRO "
-                          f"optimizer partitions only at the world size that saved them, and orch converts only "
-                          "checkpoints of its own contract to DeepSpeed's universal format. Resume on "
-                          f"{saved} ranks (the same hosts and slots), or start over with --fresh.")
+                          f"{saved} data-parallel ranks{model}, but this attempt has {world_size} ranks: DeepSpeed "
+                          "loads ZeRO optimizer partitions only at the data-parallel world size that saved them, and "
+                          "orch converts only checkpoints of its own contract to DeepSpeed's universal format. Resume "
+                          f"on {saved * mp} ranks (the same hosts and slots), or start over with --fresh.")
 
 
 def tell_script(spec: JobSpec, choice: Choice) -> tuple[tuple[str, ...], dict[str, str]]:
