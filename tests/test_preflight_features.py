@@ -35,6 +35,9 @@ HOSTS = ["node-0", "node-1"]
 def _build_async_io() -> None:
     """Build (or load) DeepSpeed's async_io op once in the tests' TORCH_EXTENSIONS_DIR, as helpers_train.prebuild_ops
     does for the comm op: the ops check of a node with libaio then finds it built (minutes of build on 2 cores)."""
+    from agents.opbuild import built
+    if built(os.environ, "async_io"):  # there and unlocked: what the ops check itself takes as built
+        return
     code = "from deepspeed.accelerator import get_accelerator\nget_accelerator().create_op_builder('AsyncIOBuilder').load()\n"
     subprocess.run([sys.executable, "-c", code], env=helpers_train.base_env(), check=True, timeout=1800,
                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
