@@ -198,9 +198,11 @@ def test_a_rank_slowed_on_purpose_is_named_within_the_window(orch, write_spec, h
     assert [(e.data["global_rank"], e.data["node"], e.data["node_rank"]) for e in events] == [(1, "node-1", 1)]
     data = events[0].data
     first = min(p["step"] for p in Store(state_dir / "orch.db").progress(job["id"], 1) if p["rank"] == 1)
-    # flagged at the window's end: its first step plus window - 1, and a step later when rank 0's first
-    # report came after rank 1's (no median to compare with yet)
-    assert first + window - 1 <= data["step"] <= first + window, (first, data)
+    # never before a full window of its steps was over; at the window's end on a quiet machine, later
+    # when the other rank's first steps (warm-up, a loaded machine) were slow enough to keep rank 1 under
+    # the threshold for a step or two (its run of over steps then starts again): within a second window
+    # (a fresh-clone run on a loaded machine flagged it at step 13 with first step 1)
+    assert first + window - 1 <= data["step"] <= first + 2 * window - 1, (first, data)
     assert data["signal"] == "compute_seconds" and data["seconds"] - data["median_seconds"] > 0.15, data
     print("straggler event:", json.dumps(data))
 
