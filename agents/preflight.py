@@ -284,19 +284,9 @@ class NodePreflight:
     def _checkpoint_dir(self, directory: str, shared: Mapping[str, Any] | None) -> dict[str, Any]:
         t = time.monotonic()
         self.current = "checkpoint_dir"
-        try:
-            os.makedirs(directory, exist_ok=True)
-        except OSError as err:
-            return _result("checkpoint_dir", FAILED, f"checkpoint dir {directory} cannot be created: {_why(err)}", t)
-        if not os.path.isdir(directory):
-            return _result("checkpoint_dir", FAILED, f"checkpoint dir {directory} is not a directory", t)
-        probe = os.path.join(directory, f"{TOKEN_PREFIX}probe-{self.node_rank}-{os.getpid()}")
-        try:
-            with open(probe, "wb") as f:
-                f.write(b"orch preflight: this node can write here\n")
-            os.unlink(probe)
-        except OSError as err:
-            return _result("checkpoint_dir", FAILED, f"checkpoint dir {directory} is not writable: {_why(err)}", t)
+        why = features.unwritable(directory, "checkpoint dir", f"{TOKEN_PREFIX}probe-{self.node_rank}-{os.getpid()}")
+        if why:
+            return _result("checkpoint_dir", FAILED, why, t)
         if shared:
             try:
                 self._write_token(str(shared["dir"]), str(shared["nonce"]))

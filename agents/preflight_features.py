@@ -27,7 +27,7 @@ from typing import Any, Mapping, Sequence
 
 from .nodeenv import node_accelerator
 
-__all__ = ["zero_pp", "start_libaio_probe", "nvme"]
+__all__ = ["zero_pp", "start_libaio_probe", "nvme", "unwritable"]
 
 _MARK = "@@orch-preflight-features@@"
 _GIB = 1 << 30
@@ -120,21 +120,31 @@ def _libaio(probe: subprocess.Popen[bytes] | OSError | None, env: Mapping[str, s
     return False, why
 
 
-def _path(path: str, min_free: int) -> tuple[bool, str]:
-    """``(ok, sentence)`` about one nvme_path: created if missing, a file written and removed, free space."""
+def unwritable(directory: str, what: str, probe_name: str) -> str | None:
+    """Why ``directory`` cannot take the ranks' files, or None: it is created if missing, must be a directory,
+    and a file ``probe_name`` is written there and removed. ``what`` names it in the sentence (e.g.
+    ``"checkpoint dir"``). Shared by the ``checkpoint_dir`` and ``nvme`` checks."""
     try:
-        os.makedirs(path, exist_ok=True)
+        os.makedirs(directory, exist_ok=True)
     except OSError as err:
-        return False, f"nvme_path {path} cannot be created: {err.strerror or err}"
-    if not os.path.isdir(path):
-        return False, f"nvme_path {path} is not a directory"
-    probe = os.path.join(path, f".orch-preflight-nvme-{os.getpid()}")
+        return f"{what} {directory} cannot be created: {err.strerror or err}"
+    if not os.path.isdir(directory):
+        return f"{what} {directory} is not a directory"
+    probe = os.path.join(directory, probe_name)
     try:
         with open(probe, "wb") as f:
             f.write(b"orch preflight: this node can write here\n")
         os.unlink(probe)
     except OSError as err:
-        return False, f"nvme_path {path} is not writable: {err.strerror or err}"
+        return f"{what} {directory} is not writable: {err.strerror or err}"
+    return None
+
+
+def _path(path: str, min_free: int) -> tuple[bool, str]:
+    """``(ok, sentence)`` about one nvme_path: created if missing, a file written and removed, free space."""
+    why = unwritable(path, "nvme_path", f".orch-preflight-nvme-{os.getpid()}")
+    if why:
+        return False, why
     free = shutil.disk_usage(path).free
     words = f"{free / _GIB:.1f} GiB free"
     if free < min_free:
