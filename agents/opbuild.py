@@ -34,7 +34,7 @@ from typing import Any, Mapping, Sequence
 
 from . import buildlocks
 
-__all__ = ["environment_key", "default_extensions_dir", "rank_python", "built", "build", "BUILT", "CACHED",
+__all__ = ["kill_group", "environment_key", "default_extensions_dir", "rank_python", "built", "build", "BUILT", "CACHED",
            "NOT_NEEDED", "FAILED"]
 
 #: Each op's outcome.
@@ -172,7 +172,7 @@ def _run(python: str, env: Mapping[str, str], ops: list[dict[str, Any]], cwd: st
         out, _ = proc.communicate(timeout=timeout)
         why = None
     except subprocess.TimeoutExpired:
-        _kill(proc)
+        kill_group(proc)
         out, _ = proc.communicate()
         why = f"the build did not finish within {timeout:.0f} s and was stopped"
         held = sorted(lock for lock in locks_before if os.path.exists(lock))
@@ -204,7 +204,9 @@ def _run(python: str, env: Mapping[str, str], ops: list[dict[str, Any]], cwd: st
     return found
 
 
-def _kill(proc: subprocess.Popen[bytes]) -> None:
+def kill_group(proc: subprocess.Popen[bytes]) -> None:
+    """SIGKILL ``proc``'s process group (it was started with ``start_new_session=True``); nothing if it is gone
+    or not ours. Does not wait for it."""
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):

@@ -233,18 +233,11 @@ class NodePreflight:
         self.current = "nvme"
         if libaio is not None and any(r["name"] in ("python", "deepspeed") and r["status"] != PASSED for r in results):
             if not isinstance(libaio, OSError):
-                self._kill(libaio)
+                opbuild.kill_group(libaio)
+                libaio.communicate()
             libaio = None
         return out + [features.nvme(nvme["paths"], float(nvme.get("min_free_gb") or 0.0), libaio, self.env,
                                     float(msg.get("timeout_s") or 60.0), str(msg.get("workdir") or "/"))]
-
-    @staticmethod
-    def _kill(proc: subprocess.Popen[bytes]) -> None:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        proc.communicate()
 
     # -- file system checks --------------------------------------------------------------------
 
@@ -496,10 +489,7 @@ class NodePreflight:
             procs = [self._probe, *self._builds]
         for proc in procs:
             if proc is not None and proc.poll() is None:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
+                opbuild.kill_group(proc)
 
     def cleanup(self) -> None:
         """Remove this node's token, and the token directory if no other node's is left."""

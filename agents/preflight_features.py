@@ -20,12 +20,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import time
 from typing import Any, Mapping, Sequence
 
 from .nodeenv import node_accelerator
+from .opbuild import kill_group
 
 __all__ = ["zero_pp", "start_libaio_probe", "nvme", "unwritable"]
 
@@ -92,10 +92,7 @@ def _libaio(probe: subprocess.Popen[bytes] | OSError | None, env: Mapping[str, s
     try:
         out, err = probe.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        try:
-            os.killpg(probe.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+        kill_group(probe)
         probe.communicate()
         return None, f"DeepSpeed's libaio check did not answer within {timeout:.0f} s"
     found: dict[str, Any] = {}

@@ -41,6 +41,7 @@ from __future__ import annotations
 import importlib.util
 import re
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -141,15 +142,20 @@ def cites_source(text: str, bench_dir: Path = ROOT / "bench") -> bool:
     return any((bench_dir / f"{m.group(1)}.py").exists() for m in BENCH_FILE.finditer(flat))
 
 
-def offenders(files: list[Path], bench_dir: Path = ROOT / "bench") -> list[Offender]:
-    """Every paragraph of ``files`` with a claim and no source (bench scripts looked up in ``bench_dir``)."""
+def _offending(files: list[Path], said: Callable[[str], list[str]], backed: Callable[[str], bool]) -> list[Offender]:
+    """Every paragraph of ``files`` in which ``said`` finds something and ``backed`` finds no evidence."""
     found = []
     for path in files:
         for para in paragraphs(path):
-            figures = claims(para.text)
-            if figures and not cites_source(para.text, bench_dir):
-                found.append(Offender(para, tuple(figures)))
+            what = said(para.text)
+            if what and not backed(para.text):
+                found.append(Offender(para, tuple(what)))
     return found
+
+
+def offenders(files: list[Path], bench_dir: Path = ROOT / "bench") -> list[Offender]:
+    """Every paragraph of ``files`` with a claim and no source (bench scripts looked up in ``bench_dir``)."""
+    return _offending(files, claims, lambda text: cites_source(text, bench_dir))
 
 
 TOOL = (r"(?:DeepSpeed(?:'s)?(?: \w+)?|the runner|`deepspeed[^`\n]*`(?: run)?|`?launch\.py`?|pdsh|`?torchrun`?"
@@ -179,13 +185,7 @@ def cites_evidence(text: str, root: Path = ROOT) -> bool:
 
 def tool_offenders(files: list[Path], root: Path = ROOT) -> list[Offender]:
     """Every paragraph of ``files`` with a statement about another tool's behaviour and no evidence."""
-    found = []
-    for path in files:
-        for para in paragraphs(path):
-            said = tool_claims(para.text)
-            if said and not cites_evidence(para.text, root):
-                found.append(Offender(para, tuple(said)))
-    return found
+    return _offending(files, tool_claims, lambda text: cites_evidence(text, root))
 
 
 def doc_files() -> list[Path]:
