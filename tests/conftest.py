@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
+pytest_plugins = ["timing"]  # tests/timing.py: --times DIR records where the time goes
 
 
 #: The skip reason of every test in tests/gpu on a machine where torch sees no CUDA device (each module's
@@ -24,8 +25,22 @@ NO_CUDA = "no CUDA device (tests/gpu run only where torch.cuda.is_available())"
 GPU_TESTS = ROOT / "tests" / "gpu"
 
 
+#: fixtures that start real hosts (sshd namespaces, Ray, Slurm, MPI): a test using one is marked ``cluster``
+CLUSTER_FIXTURES = frozenset({"net3", "net4", "make_net", "ray3", "ray4", "make_ray", "mpi_net", "mpi_hosts",
+                              "slurm_cluster"})
+#: fixtures that start headless Chromium: a test using one is marked ``browser``
+BROWSER_FIXTURES = frozenset({"browser"})
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skip every tests/gpu test, with the one reason :data:`NO_CUDA`, where torch sees no CUDA device."""
+    """Mark what a test's fixtures start (``cluster``, ``browser``, both ``integration``); skip every tests/gpu
+    test, with the one reason :data:`NO_CUDA`, where torch sees no CUDA device."""
+    for item in items:
+        names = set(getattr(item, "fixturenames", ()))
+        for marker, fixtures in (("cluster", CLUSTER_FIXTURES), ("browser", BROWSER_FIXTURES)):
+            if names & fixtures:
+                item.add_marker(marker)
+                item.add_marker("integration")
     gpu_items = [item for item in items if GPU_TESTS in Path(item.path).parents]
     if not gpu_items:
         return
@@ -35,6 +50,60 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in gpu_items:
         item.add_marker(pytest.mark.skip(reason=NO_CUDA))
 SCRIPTS = ROOT / "tests" / "scripts"
+
+
+# --------------------------------------------------------------------------- the fast tier starts no process
+# A test not marked ``integration`` is in the fast tier (``pytest -m "not integration"``): while its setup and
+# its call run, starting a process (subprocess, fork, spawn, system) fails it, naming the command. Teardown is
+# left alone: the last test of a module tears down the module's fixtures, which may be an integration test's.
+
+class ProcessStarted(AssertionError):
+    """A fast-tier test started a process."""
+
+
+@contextlib.contextmanager
+def no_processes(nodeid: str):
+    """While inside, every way of starting a process raises :class:`ProcessStarted` naming ``nodeid``."""
+    def refuse(what: str) -> Callable[..., Any]:
+        def refused(*args: Any, **kw: Any) -> Any:
+            shown = args[1] if what == "subprocess" and len(args) > 1 else (args[0] if args else "")
+            raise ProcessStarted(f"{nodeid} is in the fast tier (not marked integration) and started a process "
+                                 f"({what}: {shown!r}); mark it pytest.mark.integration or start nothing")
+        return refused
+    patches = [(subprocess.Popen, "_execute_child", refuse("subprocess"))]
+    # (not os.system: a test pickles it by name, and a stand-in has another name)
+    patches += [(os, name, refuse(f"os.{name}")) for name in ("fork", "forkpty", "posix_spawn", "posix_spawnp")
+                if hasattr(os, name)]
+    saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
+    for obj, name, fn in patches:
+        setattr(obj, name, fn)
+    try:
+        yield
+    finally:
+        for obj, name, fn in saved:
+            setattr(obj, name, fn)
+
+
+def _fast(item: pytest.Item) -> bool:
+    return item.get_closest_marker("integration") is None
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item: pytest.Item):  # noqa: ANN201 - a hook wrapper
+    if not _fast(item):
+        yield
+        return
+    with no_processes(item.nodeid):
+        yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item: pytest.Item):  # noqa: ANN201 - a hook wrapper
+    if not _fast(item):
+        yield
+        return
+    with no_processes(item.nodeid):
+        yield
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 # DeepSpeed's JIT op cache of the tests' own: a shared one is rebuilt by every other virtualenv, and a
@@ -93,6 +162,68 @@ def assert_no_leftovers(job_id: str, timeout: float = 10.0) -> None:
         time.sleep(0.1)
 
 
+#: commands that only read the store or files (never a follow, never a job started): run in-process by :class:`Orch`
+READ_ONLY = ("plan", "list", "status", "logs")
+#: options of ``orch`` itself that take a value, before the command's name (orchestrator/face/cli/app.py)
+TOP_VALUED = ("--state-dir", "--output", "-o", "--server", "--token-file")
+
+
+def reads_only(args: tuple[str, ...] | list[str]) -> bool:
+    """The command only reads (:data:`READ_ONLY`, ``resume --dry-run``) and follows nothing (``--follow``)."""
+    rest = list(args)
+    while rest and rest[0].startswith("-"):
+        rest = rest[2:] if rest[0] in TOP_VALUED else rest[1:]
+    if not rest or "--follow" in rest or "-f" in rest:
+        return False
+    return rest[0] in READ_ONLY or (rest[0] == "resume" and "--dry-run" in rest)
+
+
+def cli(*args: str, env: dict[str, str] | None = None, cwd: str | Path | None = None) -> subprocess.CompletedProcess:
+    """``orch ARGS`` through the CLI's entry in this process (:func:`run_cli_in_process`), with ``env``
+    (default: this process's) and in ``cwd``. For commands that start nothing (plan, list, a refused drop-in)."""
+    return run_cli_in_process([sys.executable, "-m", "orchestrator", *args], args, dict(os.environ if env is None
+                                                                                       else env), cwd=cwd)
+
+
+def run_cli_in_process(argv: list[str], args: tuple[str, ...] | list[str], env: dict[str, str],
+                       cwd: str | Path | None = None) -> subprocess.CompletedProcess:
+    """``orchestrator.face.cli.main(args)`` in this process with ``env`` as its whole environment (and ``cwd``
+    as its directory) and its output captured, as ``subprocess.run(argv, capture_output=True, text=True)``
+    would report it: an uncaught exception is a traceback on stderr and status 1, as the interpreter would
+    print it. The CLI's consoles print 200 columns here as they do to a pipe (orchestrator/face/cli/output.py)."""
+    import io
+    import traceback
+    from contextlib import redirect_stderr, redirect_stdout
+
+    from orchestrator.face.cli import main
+    from orchestrator.face.cli import output
+    saved, widths = dict(os.environ), (output.console._width, output.err_console._width)
+    out, err = io.StringIO(), io.StringIO()
+    here = os.getcwd()
+    os.environ.clear()
+    os.environ.update(env)
+    try:
+        if cwd is not None:
+            os.chdir(cwd)
+        output.console._width = output.err_console._width = 200
+        with redirect_stdout(out), redirect_stderr(err):
+            try:
+                code = main(list(args))
+            except SystemExit as exit_:
+                code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
+                if isinstance(exit_.code, str):
+                    print(exit_.code, file=sys.stderr)
+            except Exception:  # noqa: BLE001 - what the interpreter would print and exit 1 with
+                traceback.print_exc()
+                code = 1
+    finally:
+        os.chdir(here)
+        os.environ.clear()
+        os.environ.update(saved)
+        output.console._width, output.err_console._width = widths
+    return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
+
+
 class Orch:
     """Runs the ``orch`` command against one state directory."""
 
@@ -121,9 +252,16 @@ class Orch:
         return httpx.Client(headers={"Authorization": f"Bearer {self.token()}"}, timeout=30)
 
     def __call__(self, *args: str, timeout: float = 600, env: dict[str, str] | None = None,
-                 check: bool | None = None, replace_env: bool = False) -> subprocess.CompletedProcess:
-        r = subprocess.run(self.cmd(*args), capture_output=True, text=True, timeout=timeout,
-                           env=self.env(env, replace=replace_env))
+                 check: bool | None = None, replace_env: bool = False,
+                 subprocess_: bool | None = None) -> subprocess.CompletedProcess:
+        """``orch ARGS``: read-only commands (:func:`reads_only`) through the CLI's entry in this process,
+        the rest (and any with ``subprocess_=True``, or ``replace_env``) as a real process."""
+        in_process = reads_only(args) and not replace_env if subprocess_ is None else not subprocess_
+        if in_process:
+            r = run_cli_in_process(self.cmd(*args), args, self.env(env))
+        else:
+            r = subprocess.run(self.cmd(*args), capture_output=True, text=True, timeout=timeout,
+                               env=self.env(env, replace=replace_env))
         if check and r.returncode != 0:
             raise AssertionError(f"orch {' '.join(args)} exited {r.returncode}:\n{r.stdout}\n{r.stderr}")
         return r

@@ -20,6 +20,7 @@ def _shim(tmp_path: Path, env: dict, *command: str) -> subprocess.CompletedProce
                            *command], env={"PATH": os.defpath, **env}, capture_output=True, text=True, timeout=30)
 
 
+@pytest.mark.integration
 def test_a_rank_started_by_the_shim_is_adopted_with_its_exit_code(tmp_path):
     write_plans(str(tmp_path), "n0", str(tmp_path), 2, [(1, 0, {"PLANNED": "yes", "PATH": os.defpath})])
     rank = AdoptedRank(1, str(tmp_path))
@@ -32,6 +33,7 @@ def test_a_rank_started_by_the_shim_is_adopted_with_its_exit_code(tmp_path):
     assert (tmp_path / "rank-1.log").read_text() == "yes 7\n"  # the plan's env, the tool's own laid over it
 
 
+@pytest.mark.integration
 def test_the_shim_refuses_a_rank_placed_where_orch_did_not_plan_it(tmp_path):
     write_plans(str(tmp_path), "n0", str(tmp_path), 2, [(1, 0, {"PATH": os.defpath})])
     r = _shim(tmp_path, {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_LOCALID": "1"}, "true")
@@ -42,6 +44,7 @@ def test_the_shim_refuses_a_rank_placed_where_orch_did_not_plan_it(tmp_path):
     assert r.returncode == 3 and "not under the slurm tool" in r.stderr
 
 
+@pytest.mark.integration
 def test_a_rank_whose_processes_vanish_without_a_record_is_lost(tmp_path):
     proc = subprocess.Popen(["sleep", "30"])
     (tmp_path / ".native").mkdir()

@@ -10,6 +10,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import pytest
 import yaml
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
@@ -34,18 +35,21 @@ def _promtool(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
     return subprocess.run([str(PROMTOOL), *args], cwd=cwd, capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.integration
 def test_promtool_check_rules_accepts_the_alert_file() -> None:
     r = _promtool("check", "rules", str(RULES))
     assert r.returncode == 0, r.stdout + r.stderr
     assert f"SUCCESS: {len(ALERTS)} rules found" in r.stdout
 
 
+@pytest.mark.integration
 def test_promtool_unit_tests_pass() -> None:
     r = _promtool("test", "rules", str(UNIT))
     assert r.returncode == 0, r.stdout + r.stderr
     assert "SUCCESS" in r.stdout
 
 
+@pytest.mark.integration
 def test_the_unit_tests_fail_when_a_rule_breaks(tmp_path: Path) -> None:
     """The unit tests do test the expressions: with OrchJobFailed matching RUNNING jobs, they fail."""
     shutil.copy(UNIT, tmp_path / UNIT.name)

@@ -81,6 +81,7 @@ def test_deadlines_and_counts_say_what_they_take_in_one_line(orch, write_spec, h
     assert "startup_timeout (line" in r.stderr and "expected seconds > 0 (at most 604800) or null" in r.stderr
 
 
+@pytest.mark.integration
 def test_a_bad_idempotency_key_is_refused_before_anything_is_sent(orch, write_spec, hostfile) -> None:
     spec = write_spec(hostfile=str(hostfile("a slots=1\n")), entrypoint=WORKER)
     for key in ("é", "a\nb", "", "k" * 201):
@@ -105,6 +106,7 @@ def test_a_big_plan_prints_a_page_and_says_how_to_see_all(orch, write_spec, host
     assert len(orch.json("plan", str(spec))["nodes"][0]["ranks"]) == 300
 
 
+@pytest.mark.integration
 def test_markup_in_a_host_name_is_text(orch, write_spec, hostfile) -> None:
     spec = write_spec(hostfile=str(hostfile("node[/x]-0 slots=1\n[bold]n1 slots=1\n")), entrypoint=WORKER,
                       env={"WORKER_STEPS": "1", "WORKER_STEP_S": "0.01"})
@@ -116,6 +118,7 @@ def test_markup_in_a_host_name_is_text(orch, write_spec, hostfile) -> None:
     assert listed.returncode == 0 and "node[/x]-0,[bold]n1" in listed.stdout, listed.stdout + listed.stderr
 
 
+@pytest.mark.integration
 def test_terminal_escapes_from_a_rank_never_reach_the_terminal(orch, write_spec, hostfile) -> None:
     evil = "\x1b]0;pwned\x07\x1b[2J\x1b]52;c;ZXZpbA==\x07visible\x1b[31m red\x1b[0m"
     spec = write_spec(hostfile=str(hostfile("a slots=1\n")), entrypoint=WORKER,
@@ -136,6 +139,7 @@ def test_printable_keeps_text_and_drops_control() -> None:
     assert printable("a\tb é 中 \x1b[1;31mX\x1b[0m\x1b]8;;http://x\x1b\\link\x1b]8;;\x1b\\\x08\x7f\r") == "a\tb é 中 Xlink"
 
 
+@pytest.mark.integration
 def test_list_pages_and_says_when_it_cut(orch, write_spec, hostfile) -> None:
     spec = write_spec(hostfile=str(hostfile("a slots=1\n")), entrypoint=WORKER,
                       env={"WORKER_STEPS": "1", "WORKER_STEP_S": "0.01"})

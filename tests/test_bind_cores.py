@@ -191,6 +191,7 @@ def test_orch_plan_shows_each_rank_s_cpus_and_what_auto_does(orch, write_spec, h
     assert plan["nodes"][0]["bind_cores"] == {"0": "0-3", "1": "4-7"}
 
 
+@pytest.mark.integration
 def test_an_exec_d_rank_is_pinned_before_exec_and_a_refused_pin_is_an_os_error(tmp_path) -> None:
     from agents.ranks import RankProcess
     first = min(os.sched_getaffinity(0))

@@ -45,6 +45,7 @@ def _tree(cg: AttemptCgroup, tmp_path) -> RankProcess:
     return rank
 
 
+@pytest.mark.integration
 def test_kill_ends_the_whole_tree_and_removes_the_cgroup(cgroup, tmp_path) -> None:
     rank = _tree(cgroup, tmp_path)
     pids = cgroup.pids()
@@ -57,6 +58,7 @@ def test_kill_ends_the_whole_tree_and_removes_the_cgroup(cgroup, tmp_path) -> No
     assert not os.path.exists(cgroup.path)
 
 
+@pytest.mark.integration
 def test_the_sweep_finds_a_cgroup_by_its_record(cgroup, tmp_path) -> None:
     rank = _tree(cgroup, tmp_path)
     assert sweep("some-other-job.1", [0]) == [] and sweep(ATTEMPT, [1]) == []  # nothing recorded for those

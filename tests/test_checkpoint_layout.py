@@ -385,6 +385,7 @@ def test_json_and_the_dispatch_by_name(tmp_path: Path) -> None:
     assert file_problem(tmp_path / "w.bin").startswith("truncated: the zip directory is unreadable")
 
 
+@pytest.mark.integration
 def test_the_checks_import_no_torch() -> None:
     code = ("import sys; import orchestrator.checkpoints.headers, orchestrator.checkpoints.deepspeed_layout; "
             "bad = [m for m in ('torch', 'deepspeed', 'numpy') if m in sys.modules]; print(bad); sys.exit(bool(bad))")

@@ -65,6 +65,7 @@ def test_one_hub_reads_many_pipes_in_order_with_one_eof_each() -> None:
     assert len(by_tag) == 200 and hub.links == 0
 
 
+@pytest.mark.integration
 def test_a_controller_supervises_a_thousand_agents_without_a_thread_each(tmp_path: Path) -> None:
     nodes = 1000
     hostfile = tmp_path / "hosts"

@@ -103,6 +103,7 @@ def refers_to_input(datasource: Any) -> bool:
 
 # --------------------------------------------------------------------------- (a) config
 
+@pytest.mark.integration
 def test_promtool_accepts_the_example_config() -> None:
     check_prerequisites()
     proc = subprocess.run([str(PROMTOOL), "check", "config", str(CONFIG)],
@@ -317,6 +318,7 @@ def write_targets(path: Path, groups: list[dict[str, Any]]) -> None:
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.integration
 def test_prometheus_scrapes_file_sd_targets_and_answers_every_panel(
         tmp_path: Path, exporter: int) -> None:
     check_prerequisites()

@@ -207,6 +207,7 @@ class _Proc:
 
 @pytest.mark.parametrize("what,kind,where", [("save", "saving", "save_checkpoint"), ("exit", "exiting", "upload"),
                                              ("hang", None, "hang_forever"), ("stop", "stuck", None)])
+@pytest.mark.integration
 def test_real_dumps_say_what_the_main_thread_does(tmp_path, what, kind, where) -> None:
     script = tmp_path / "rank.py"
     script.write_text(SCRIPT)

@@ -13,18 +13,16 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
+from conftest import cli
 from orchestrator.errors import SpecError
 from orchestrator.face.cli.dropin import accelerate_parser
 from orchestrator.spec.accelerate_cmd import LAUNCH_OPTIONS, accelerate_job, default_config_file, refused_family
 
-PYTHON = sys.executable
 
 
 def _theirs():
@@ -144,9 +142,8 @@ def test_orch_accelerate_launch_plans_without_a_micro_batch(tmp_path: Path) -> N
     (tmp_path / "accel.yaml").write_text(yaml.safe_dump({**ACCEL, "num_machines": 1, "num_processes": 2}))
     (tmp_path / "t.py").write_text("print('hi')\n")
     env = {**os.environ, "ORCH_STATE_DIR": str(tmp_path / "state")}
-    r = subprocess.run([PYTHON, "-m", "orchestrator", "-o", "json", "accelerate-launch", "--plan", "--config_file",
-                        "accel.yaml", "--gradient_clipping", "0.5", "t.py", "--lr", "1"], cwd=tmp_path, env=env,
-                       capture_output=True, text=True, timeout=120)
+    r = cli("-o", "json", "accelerate-launch", "--plan", "--config_file", "accel.yaml", "--gradient_clipping", "0.5",
+            "t.py", "--lr", "1", cwd=tmp_path, env=env)
     assert r.returncode == 0, r.stderr
     plan = json.loads(r.stdout)
     assert plan["world_size"] == 2 and plan["launcher"] == "standard"
@@ -156,6 +153,5 @@ def test_orch_accelerate_launch_plans_without_a_micro_batch(tmp_path: Path) -> N
     rank = plan["nodes"][0]["ranks"][1]
     assert rank["argv"][-3:] == [str(tmp_path / "t.py"), "--lr", "1"]
     assert rank["env"]["ACCELERATE_GRADIENT_CLIPPING"] == "0.5"
-    r = subprocess.run([PYTHON, "-m", "orchestrator", "accelerate-launch", "--fp8_backend", "te", "t.py"],
-                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    r = cli("accelerate-launch", "--fp8_backend", "te", "t.py", cwd=tmp_path, env=env)
     assert r.returncode == 2 and "--fp8_backend is for FP8 recipes" in r.stderr and "Traceback" not in r.stderr

@@ -26,7 +26,7 @@ from unittest import mock
 
 import pytest
 import yaml
-from conftest import assert_no_leftovers
+from conftest import assert_no_leftovers, cli
 from test_launchers_real import BASH_ONLY, ORCH_ADDED, ORCH_CONFIG, free_port, probe
 
 from orchestrator.errors import SpecError
@@ -163,23 +163,19 @@ def test_print_spec_is_a_spec_orch_plan_takes(tmp_path: Path) -> None:
     env = {**os.environ, "ORCH_STATE_DIR": str(tmp_path / "state")}
     argv = ["--hostfile", "hostfile", "--include", "nodeA:1@nodeB", "--master_port", "29611", "t.py", "--deepspeed",
             "--deepspeed_config", "ds.json"]
-    r = subprocess.run([PYTHON, "-m", "orchestrator", "deepspeed", "--provisioner", "local", "--print-spec", "-",
-                        *argv], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    r = cli("deepspeed", "--provisioner", "local", "--print-spec", "-", *argv, cwd=tmp_path, env=env)
     assert r.returncode == 0, r.stderr
     spec = yaml.safe_load(r.stdout)
     assert spec["include"] == "nodeA:1@nodeB" and spec["provisioner"] == "local"
     (tmp_path / "job.yaml").write_text(r.stdout)
     plans = []
     for cmd in (["plan", "job.yaml"], ["deepspeed", "--provisioner", "local", "--plan", *argv]):
-        r = subprocess.run([PYTHON, "-m", "orchestrator", "-o", "json", *cmd], cwd=tmp_path, env=env,
-                           capture_output=True, text=True, timeout=120)
+        r = cli("-o", "json", *cmd, cwd=tmp_path, env=env)
         assert r.returncode == 0, r.stderr
         plans.append({k: v for k, v in json.loads(r.stdout).items() if k not in ("spec_source",)})
     assert plans[0]["nodes"] == plans[1]["nodes"] and plans[0]["world_size"] == 3
     # a refused argument: exit 2 with the reason, nothing started, no traceback
-    r = subprocess.run([PYTHON, "-m", "orchestrator", "deepspeed", "--bind_cores_to_rank", "--bind_core_list", "0-3",
-                        *argv], cwd=tmp_path,
-                       env=env, capture_output=True, text=True, timeout=120)
+    r = cli("deepspeed", "--bind_cores_to_rank", "--bind_core_list", "0-3", *argv, cwd=tmp_path, env=env)
     assert r.returncode == 2 and "--bind_core_list is not supported" in r.stderr and "Traceback" not in r.stderr
 
 

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from orchestrator.spec.dsconfig import (ACCELERATE_KEYS, DeepSpeedSettings, RunFacts, check,
                                         hidden_size_from_model_config, plugin_config, resolve)
+from conftest import cli
 from orchestrator.errors import ConfigError, SpecError
 
 RUN = RunFacts(world_size=4, slots_per_node=(2, 2), micro_batch_size=8)
@@ -428,9 +427,7 @@ def test_orch_plan_prints_its_warnings_before_the_plan(tmp_path) -> None:
     (tmp_path / "t.py").write_text("")
     (tmp_path / "ds.json").write_text(json.dumps(_zero(2, offload_optimizer={"device": "nvme", "nvme_path": "/n"})))
     (tmp_path / "job.yaml").write_text("name: t\nentrypoint: t.py\ndeepspeed_config: ds.json\n")
-    r = subprocess.run([sys.executable, "-m", "orchestrator", "plan", str(tmp_path / "job.yaml")],
-                       capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
-                       env={**os.environ, "ORCH_STATE_DIR": str(tmp_path / "state"), "COLUMNS": "300"})
+    r = cli("plan", str(tmp_path / "job.yaml"), env={**os.environ, "ORCH_STATE_DIR": str(tmp_path / "state")})
     assert r.returncode == 0, r.stderr
     first = r.stderr.splitlines()[0]
     assert first.startswith("warning: zero_optimization.offload_optimizer.device is \"nvme\"") and \
@@ -476,9 +473,7 @@ def test_orch_plan_explains_the_zero_plus_plus_example(tmp_path) -> None:
     job = tmp_path / "job.yaml"
     job.write_text(f"name: zpp\nhostfile: {examples.parent / 'hostfiles' / 'local-2x2'}\nworkdir: {examples}\n"
                    f"entrypoint: train_gpt.py\ndeepspeed_config: {examples / 'ds_zeropp.json'}\n")
-    r = subprocess.run([sys.executable, "-m", "orchestrator", "plan", str(job)], capture_output=True, text=True,
-                       timeout=120, stdin=subprocess.DEVNULL,
-                       env={**os.environ, "ORCH_STATE_DIR": str(tmp_path / "state"), "COLUMNS": "300"})
+    r = cli("plan", str(job), env={**os.environ, "ORCH_STATE_DIR": str(tmp_path / "state")})
     assert r.returncode == 0, r.stderr
     assert "warning" not in r.stderr, r.stderr
     out = r.stdout

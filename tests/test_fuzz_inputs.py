@@ -194,6 +194,7 @@ def _clean(code: int, out: str, err: str) -> None:
     assert "\x1b" not in out + err and "\x9b" not in out + err and "\x07" not in out + err, (out + err)[-2000:]
 
 
+@pytest.mark.integration
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                   HealthCheck.too_slow])
 @given(data=st.data())
@@ -216,6 +217,7 @@ def test_orch_plan_of_random_specs_and_hostfiles_never_tracebacks(capsys, tmp_pa
     _clean(code, out, err)
 
 
+@pytest.mark.integration
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(command=st.sampled_from(["list", "status", "logs"]),
        job=st.one_of(st.just("REAL"), text.filter(lambda t: "\x00" not in t)),
@@ -234,6 +236,7 @@ def test_read_commands_with_random_arguments_never_traceback(capsys, state, comm
     _clean(*_cli(capsys, state_dir, *argv))
 
 
+@pytest.mark.integration
 def test_the_rank_s_escapes_are_in_its_log_file_and_not_on_the_terminal(capsys, state) -> None:
     state_dir, job_id = state
     code, out, err = _cli(capsys, state_dir, "logs", job_id, "--rank", "0")

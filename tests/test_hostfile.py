@@ -106,6 +106,7 @@ def test_directory_and_non_utf8_hostfiles(tmp_path):
     assert str(bad) in str(info.value)
 
 
+@pytest.mark.integration
 def test_unreadable_hostfile(tmp_path):
     path = Path(write(tmp_path, "w0 slots=1\n"))
     path.chmod(0)

@@ -274,6 +274,7 @@ def _bash_export(rendered: str) -> str:
 
 @pytest.mark.parametrize("value", ["plain", "/a/b:/c", "", "two words", "a\\b", "a\\\\b",
                                    "x;y", "tab\there", "ümlaut", "a\\\"b", "q'uote"])
+@pytest.mark.integration
 def test_pdsh_export_value_matches_bash(value):
     """pdsh_export_value emulates what a POSIX shell makes of DeepSpeed's `export K=...`."""
     assert pdsh_export_value(value) == _bash_export(render_pdsh_export(value))
@@ -583,6 +584,7 @@ def test_compare_probe_outputs_reports_every_difference():
     assert probe.compare_probe_outputs(real, {0: dict(real[0])}) == []
 
 
+@pytest.mark.integration
 def test_probe_writes_report(tmp_path):
     env = {"PATH": os.defpath, "PROBE_OUT_DIR": str(tmp_path), "RANK": "3", "LANG": "C.UTF-8"}
     script = str(Path(__file__).with_name("probe.py"))

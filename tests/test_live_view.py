@@ -46,6 +46,7 @@ def _render(detail: dict, width: int) -> str:
 
 
 @pytest.mark.parametrize("width", [60, 80, 120, 200])
+@pytest.mark.integration
 def test_the_ranks_table_fits_every_width_one_line_per_rank(detail, width) -> None:
     text = _render(detail, width)
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
@@ -67,6 +68,7 @@ def test_the_ranks_table_fits_every_width_one_line_per_rank(detail, width) -> No
         assert "tokens/s" not in columns and "local" not in columns
 
 
+@pytest.mark.integration
 def test_at_80_columns_rank_node_step_and_loss_are_all_readable(detail) -> None:
     rows = _render(detail, 80).rstrip("\n").splitlines()
     body = [r for r in rows if r[:1].isdigit()]

@@ -60,6 +60,7 @@ def _by_rank(samples: list, name: str) -> dict[str, float]:
     return {s.labels["rank"]: s.value for s in samples if s.name == name}
 
 
+@pytest.mark.integration
 def test_ranks_report_through_multiprocess_files_and_the_node_serves_them(tmp_path: Path) -> None:
     metrics = NodeMetrics(str(tmp_path / "attempt"), 0, prometheus=True)
     metrics.create()
@@ -118,6 +119,7 @@ def test_ranks_report_through_multiprocess_files_and_the_node_serves_them(tmp_pa
     assert not (tmp_path / "attempt").exists()
 
 
+@pytest.mark.integration
 def test_report_does_nothing_outside_orch_and_never_raises(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("ORCH_")}
     code = ("from agents import report\nreport.step(1, loss=1.0)\n"
@@ -132,6 +134,7 @@ def test_report_does_nothing_outside_orch_and_never_raises(tmp_path: Path) -> No
     assert r.stderr.count("orch report: cannot report step") == 1, r.stderr
 
 
+@pytest.mark.integration
 def test_deepspeed_monitor_rows_become_rank_0_series_unless_rank_0_reports(tmp_path: Path) -> None:
     """The CSV files as deepspeed.monitor.csv_monitor writes them (header ``step,<name>``, the step
     column being DeepSpeed's global_samples), one lr row per optimizer step."""

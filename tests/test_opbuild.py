@@ -86,6 +86,7 @@ def test_a_deepspeed_rank_gets_it_unless_its_environment_sets_one(tmp_path) -> N
     assert "TORCH_EXTENSIONS_DIR" not in rank_env(base, {}, plain)
 
 
+@pytest.mark.integration
 def test_a_built_op_is_found_without_starting_python(tmp_path) -> None:
     ext = tmp_path / "ext"
     (ext / "deepspeed_shm_comm").mkdir(parents=True)
@@ -99,6 +100,7 @@ def test_a_built_op_is_found_without_starting_python(tmp_path) -> None:
     assert out["status"] == "failed" and "/nonexistent/python cannot be run" in out["detail"]
 
 
+@pytest.mark.integration
 def test_a_build_past_its_time_is_killed_and_leaves_no_lock(tmp_path) -> None:
     """A build killed midway would leave torch's lock, on which every later rank waits forever."""
     ext = tmp_path / "ext"

@@ -6,6 +6,8 @@ from __future__ import annotations
 import re
 import subprocess
 
+import pytest
+
 from conftest import SCRIPTS
 
 WORKER = str(SCRIPTS / "worker.py")
@@ -61,6 +63,7 @@ def test_a_plan_of_16_nodes_is_shown_whole(orch, write_spec, hostfile) -> None:
     assert {int(m[1]) for m in re.finditer(r"^(\d+)\s+n\d+ \(\d+\)", ranks, re.M)} == set(range(32))
 
 
+@pytest.mark.integration
 def test_json_into_a_pipe_closed_early_stops_quietly(orch, write_spec, hostfile) -> None:
     """``orch plan -o json big.yaml | head -c 100``: the reader has its 100 bytes; orch stops without a
     traceback or a word, with the status of a command killed by SIGPIPE (141, as `cat` into `head`)."""

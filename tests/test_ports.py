@@ -44,6 +44,7 @@ def test_auto_gives_two_jobs_different_ports(tmp_path) -> None:
     b.release()
 
 
+@pytest.mark.integration
 def test_reservation_is_seen_by_another_process_and_dies_with_it(tmp_path) -> None:
     port = _free_port()
     code = ("import sys,time; from orchestrator.supervision.ports import reserve_port;"

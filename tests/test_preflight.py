@@ -338,6 +338,7 @@ def test_deepspeed_missing_for_the_spec_python(orch, write_spec, hostfile, tmp_p
     _run_failing(orch, spec, {h: {"deepspeed": why} for h in ("node-0", "node-1")}, ["node-0", "node-1"])
 
 
+@pytest.mark.integration
 def test_a_stale_build_lock_is_named_and_a_fresh_one_is_not(orch, write_spec, hostfile, tmp_path) -> None:
     """A lock a killed DeepSpeed op build left (older than 2 minutes, no build running in its directory) in
     the ranks' TORCH_EXTENSIONS_DIR fails the preflight by its path; a lock of a build starting now does not."""

@@ -33,6 +33,7 @@ def test_batch_argv_asks_for_the_pool() -> None:
     assert not any(a.startswith(("--nodelist", "--exclude")) for a in batch_argv("x", 2, 1, "/r/o"))
 
 
+@pytest.mark.integration
 def test_the_batch_script_holds_while_agents_run_and_not_on_a_failed_squeue(tmp_path) -> None:
     """The hold script run by sh with squeue replaced by a script (the scheduler seam): two failed calls, two
     that list an agent step, then none. Failures are not idleness; agent steps reset the count."""

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import getpass
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -20,8 +19,13 @@ def _pool(*hosts: str) -> ResourcePool:
 
 @pytest.fixture()
 def key(tmp_path: Path) -> Path:
+    """A new ed25519 private key in OpenSSH's format (what ``ssh-keygen -t ed25519 -N ''`` writes), mode 600."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
     path = tmp_path / "id_ed25519"
-    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(path)], check=True)
+    path.write_bytes(Ed25519PrivateKey.generate().private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH, serialization.NoEncryption()))
+    path.chmod(0o600)
     return path
 
 

@@ -263,6 +263,7 @@ def _tag(root: Path, tag: str, step: int, *, world: int = 2, stage: int = 2, mar
     return d
 
 
+@pytest.mark.integration
 def test_conversion_writes_its_marker_last_and_a_finished_one_is_reused(tmp_path, fake) -> None:
     python, env, calls = fake
     d = _tag(tmp_path, "step_10", 10, world=3, stage=3)
@@ -282,6 +283,7 @@ def test_conversion_writes_its_marker_last_and_a_finished_one_is_reused(tmp_path
     assert [i.tag for i in scan(tmp_path)] == ["step_10"] and latest_complete(tmp_path) == (info, [])
 
 
+@pytest.mark.integration
 def test_only_the_saving_worlds_files_are_converted(tmp_path, fake) -> None:
     python, env, calls = fake
     # a tag re-saved by 2 ranks where an earlier save by 3 left rank 2's optimizer partition behind
@@ -291,6 +293,7 @@ def test_only_the_saving_worlds_files_are_converted(tmp_path, fake) -> None:
                         "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt", "mp_rank_00_model_states.pt"]]
 
 
+@pytest.mark.integration
 def test_a_conversion_cut_short_or_of_an_earlier_save_is_redone(tmp_path, fake) -> None:
     python, env, calls = fake
     d = _tag(tmp_path, "step_10", 10)
@@ -307,6 +310,7 @@ def test_a_conversion_cut_short_or_of_an_earlier_save_is_redone(tmp_path, fake) 
     assert json.loads((tmp_path / "step_10_universal" / UNIVERSAL_MARKER).read_text())["source"]["time"] == 2.0
 
 
+@pytest.mark.integration
 def test_a_failed_conversion_says_why_and_leaves_no_marker(tmp_path, fake) -> None:
     python, env, _ = fake
     info = inspect_tag(_tag(tmp_path, "step_10", 10))
@@ -324,6 +328,7 @@ def test_a_failed_conversion_says_why_and_leaves_no_marker(tmp_path, fake) -> No
         convert_to_universal(inspect_tag(_tag(tmp_path, "step_20", 20)), "/nonexistent/python", env=env)
 
 
+@pytest.mark.integration
 def test_a_converter_past_its_time_is_killed_with_its_children(tmp_path, fake) -> None:
     python, env, _ = fake
     info = inspect_tag(_tag(tmp_path, "step_10", 10))
