@@ -39,7 +39,8 @@ import sys
 
 _ENV_AT_START = dict(os.environ)
 
-import json  # noqa: E402  (imported after the environment snapshot on purpose)
+import importlib  # noqa: E402  (imported after the environment snapshot on purpose)
+import json  # noqa: E402
 from typing import Mapping  # noqa: E402
 
 __all__ = ["load_probe_outputs", "compare_probe_outputs", "format_differences", "main"]
@@ -101,8 +102,11 @@ def format_differences(problems: list[str]) -> str:
 
 
 def _join_process_group() -> dict:
-    import torch
-    import torch.distributed as dist
+    # imported by name, not with an import statement: orch's fast_start auto forks only ranks whose source
+    # imports torch (agents/forkserver.py), and a template importing torch and DeepSpeed on every node would
+    # cost the probe seconds it needs only with PROBE_INIT_PG
+    torch = importlib.import_module("torch")
+    dist = importlib.import_module("torch.distributed")
 
     dist.init_process_group("gloo")
     try:
@@ -118,7 +122,7 @@ DISCOVERED = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
 
 def _deepspeed_discovery() -> dict:
     if not all(v in os.environ for v in DISCOVERED):  # comm.init_distributed's test
-        from deepspeed.comm.comm import mpi_discovery
+        mpi_discovery = importlib.import_module("deepspeed.comm.comm").mpi_discovery  # (see _join_process_group)
         mpi_discovery(distributed_port=int(os.environ.get("PROBE_DS_PORT", "29500")), verbose=False)
     return {v: os.environ.get(v) for v in DISCOVERED}
 
