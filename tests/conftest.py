@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-pytest_plugins = ["timing"]  # tests/timing.py: --times DIR records where the time goes
+pytest_plugins = ["timing", "zero_runs"]  # tests/timing.py: --times DIR records where the time goes
 
 
 #: The skip reason of every test in tests/gpu on a machine where torch sees no CUDA device (each module's
@@ -339,10 +339,12 @@ def start_test_network(n_hosts: int, **kw: Any) -> Any:
         pytest.fail(f"cannot build {n_hosts} namespace test hosts: {err}", pytrace=False)
 
 
-@pytest.fixture(scope="module")
-def net3() -> Any:
-    """3 namespace hosts with sshd, shared by a module's tests. A test that kills a host or
-    cuts a link should call ``net3.reset()`` when done (links up, strays killed, sshds back)."""
+# Each cluster is started once per session (per pytest-xdist worker) and handed to every module that asks for
+# it; after each module it is reset (links up, every process but its daemons killed, dead daemons restarted),
+# so a module finds it as the first one did.
+
+@pytest.fixture(scope="session")
+def _net3_session() -> Any:
     net = start_test_network(3)
     try:
         yield net
@@ -350,14 +352,28 @@ def net3() -> Any:
         net.close()
 
 
-@pytest.fixture(scope="module")
-def net4() -> Any:
-    """4 namespace hosts with sshd, shared by a module's tests (see ``net3``)."""
+@pytest.fixture(scope="session")
+def _net4_session() -> Any:
     net = start_test_network(4)
     try:
         yield net
     finally:
         net.close()
+
+
+@pytest.fixture(scope="module")
+def net3(_net3_session: Any) -> Any:
+    """3 namespace hosts with sshd, started once per session and reset after each module. A test that
+    kills a host or cuts a link should call ``net3.reset()`` when done (links up, strays killed, sshds back)."""
+    yield _net3_session
+    _net3_session.reset()
+
+
+@pytest.fixture(scope="module")
+def net4(_net4_session: Any) -> Any:
+    """4 namespace hosts with sshd, started once per session and reset after each module (see ``net3``)."""
+    yield _net4_session
+    _net4_session.reset()
 
 
 @pytest.fixture()
@@ -426,11 +442,8 @@ def _close_ray_cluster(cluster: Any, net: Any) -> None:
         raise AssertionError("; ".join(errors))
 
 
-@pytest.fixture(scope="module")
-def ray3() -> Any:
-    """A Ray cluster on 3 fresh namespace hosts (2 CPUs each; the head has none), shared by a
-    module's tests; ``ray3.net`` is its network. A test that kills a node or cuts a link should
-    call ``ray3.reset()`` when done (links up, dead nodes restarted)."""
+@pytest.fixture(scope="session")
+def _ray3_session() -> Any:
     cluster, net = _ray_cluster_on_new_network(3)
     try:
         yield cluster
@@ -438,14 +451,30 @@ def ray3() -> Any:
         _close_ray_cluster(cluster, net)
 
 
-@pytest.fixture(scope="module")
-def ray4() -> Any:
-    """A Ray cluster on 4 fresh namespace hosts, shared by a module's tests (see ``ray3``)."""
+@pytest.fixture(scope="session")
+def _ray4_session() -> Any:
     cluster, net = _ray_cluster_on_new_network(4)
     try:
         yield cluster
     finally:
         _close_ray_cluster(cluster, net)
+
+
+@pytest.fixture(scope="module")
+def ray3(_ray3_session: Any) -> Any:
+    """A Ray cluster on 3 fresh namespace hosts (2 CPUs each; the head has none), started once per session and
+    reset after each module; ``ray3.net`` is its network. A test that kills a node or cuts a link should call
+    ``ray3.reset()`` when done (links up, dead nodes restarted)."""
+    yield _ray3_session
+    _ray3_session.reset()
+
+
+@pytest.fixture(scope="module")
+def ray4(_ray4_session: Any) -> Any:
+    """A Ray cluster on 4 fresh namespace hosts, started once per session and reset after each module (see
+    ``ray3``)."""
+    yield _ray4_session
+    _ray4_session.reset()
 
 
 @pytest.fixture()
@@ -506,9 +535,8 @@ CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = "/usr/bin/chromedriver"
 
 
-@pytest.fixture(scope="module")
-def browser():
-    """Debian's headless Chromium under Selenium, 1280x900, its console log kept."""
+@pytest.fixture(scope="session")
+def _browser_session():
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 
@@ -528,18 +556,37 @@ def browser():
         driver.quit()
 
 
+@pytest.fixture(scope="module")
+def browser(_browser_session):
+    """Debian's headless Chromium under Selenium, 1280x900, its console log kept; started once per session,
+    and between modules back on a blank page with no cookies, storage or console lines of the last one."""
+    driver = _browser_session
+    yield driver
+    driver.get("about:blank")
+    driver.delete_all_cookies()
+    driver.set_window_size(1280, 900)
+    driver.get_log("browser")  # (reading the log empties it)
+
+
 # --------------------------------------------------------------------------- MPI and Slurm test hosts
 # (tests/helpers_mpi.py, tests/slurmcluster.py)
 
-@pytest.fixture(scope="module")
-def mpi_net():
-    """4 namespace hosts with their own hostnames (the 4th a spare the hostfile of ``mpi_hosts`` leaves
-    out): mpi_discovery's LOCAL_RANK counts earlier ranks with the same processor name (the hostname)."""
+@pytest.fixture(scope="session")
+def _mpi_net_session():
     net = start_test_network(4, own_hostnames=True)
     try:
         yield net
     finally:
         net.close()
+
+
+@pytest.fixture(scope="module")
+def mpi_net(_mpi_net_session):
+    """4 namespace hosts with their own hostnames (the 4th a spare the hostfile of ``mpi_hosts`` leaves
+    out): mpi_discovery's LOCAL_RANK counts earlier ranks with the same processor name (the hostname).
+    Started once per session, reset after each module (the Slurm cluster on it too, ``slurm_cluster``)."""
+    yield _mpi_net_session
+    _mpi_net_session.reset()
 
 
 @pytest.fixture(scope="module")
@@ -558,18 +605,26 @@ def mpi_hosts(mpi_net, tmp_path_factory):
     return net3, bin_dir, hostfile
 
 
-@pytest.fixture(scope="module")
-def slurm_cluster(mpi_net):
-    """A real Slurm cluster (tests/slurmcluster.py) with a slurmd on every host of ``mpi_net``."""
+@pytest.fixture(scope="session")
+def _slurm_session(_mpi_net_session):
     import slurmcluster
     try:
-        cluster = slurmcluster.SlurmCluster(mpi_net).start()
+        cluster = slurmcluster.SlurmCluster(_mpi_net_session).start()
     except slurmcluster.SlurmError as err:
         pytest.fail(f"cannot start the Slurm test cluster: {err}", pytrace=False)
     try:
         yield cluster
     finally:
         cluster.close()
+
+
+@pytest.fixture(scope="module")
+def slurm_cluster(_slurm_session, mpi_net):
+    """A real Slurm cluster (tests/slurmcluster.py) with a slurmd on every host of ``mpi_net``, started once per
+    session; each module finds every slurmd running, no job left and every node idle
+    (:meth:`SlurmCluster.restart_dead`: the last module's ``mpi_net`` reset killed what ran on the hosts)."""
+    _slurm_session.restart_dead()
+    yield _slurm_session
 
 
 @pytest.fixture()

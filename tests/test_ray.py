@@ -1,21 +1,19 @@
 """The ray provisioner on a real multi-node Ray cluster (tests/raycluster.py): hostfile hosts to
-Ray nodes, the pool of a job without a hostfile, ZeRO-2 training, node loss (killed node, cut
-link), resume on a spare, cancel, bad input and a node lost while provisioning.
+Ray nodes, the pool of a job without a hostfile, ZeRO-2 training, bad input and a node lost while
+provisioning. What every multi-host provisioner must do (node loss, a spare, cancel) is in
+tests/test_provisioners.py, which runs on this cluster too.
 
 One 4-node cluster (``ray4``: a head with no CPUs on the bridge address, one worker node with 2
-CPUs per namespace host) serves the whole module; a test that kills a node or cuts a link calls
+CPUs per namespace host) serves the session; a test that kills a node or cuts a link calls
 ``ray4.reset()``. Ray's own health checks keep their defaults (a dead node is noticed after
-~15 s, a cut one later): the < 5 s node-loss detection measured here is orch's own heartbeats
-on the agent link. Hosts share the file system and the process table with this process, so
+~15 s, a cut one later). Hosts share the file system and the process table with this process, so
 ``assert_no_leftovers`` sees every host's processes and a process belongs to host i when
 ``/proc/<pid>/ns/net`` is host i's namespace. What is left on the cluster itself (named actors
-of the job, placement groups, reserved CPUs) is read by a driver (``ray4.run_python``).
+of the job, placement groups, reserved CPUs) is read by a driver (tests/helpers_jobs.py).
 
 Ranks are examples/train_gpt.py (tiny model, ZeRO-2) where training matters, else a small
 script (``WHERE``) that reports where it runs: its network namespace, the address it reaches
 the head from, its agent's namespace and the agent's parent (the actor's worker).
-
-Node-loss detection times are printed (``pytest -s``).
 """
 
 from __future__ import annotations
@@ -23,24 +21,20 @@ from __future__ import annotations
 import json
 import math
 import os
-import signal
 import socket
-import subprocess
 import sys
 import textwrap
 import time
 from pathlib import Path
 from typing import Any
 
-import psutil
 import pytest
-from conftest import ROOT, assert_no_leftovers, job_processes, wait_for
+from conftest import ROOT, assert_no_leftovers, wait_for
 
-from orchestrator.checkpoints import inspect_tag, latest_complete
-from orchestrator.errors import NotFoundError
-from orchestrator.store import Store
+from orchestrator.checkpoints import inspect_tag
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import helpers_jobs as hj
 import helpers_train
 
 pytestmark = pytest.mark.integration
@@ -123,168 +117,12 @@ def _reports(out_dir: Path) -> dict[int, dict]:
     return {int(p.stem[4:]): json.loads(p.read_text()) for p in out_dir.glob("rank*.json")}
 
 
-def _losses(run_dir: Path) -> dict[tuple[int, int], float]:
-    """``{(rank, step): loss}`` from every rank's log of one attempt."""
-    return helpers_train.attempt_losses(run_dir)
-
-
-def _last_steps(run_dir: Path, world: int) -> list[int]:
-    """The last step each rank logged (0: none yet)."""
-    losses = _losses(run_dir)
-    return [max((s for (r, s) in losses if r == rank), default=0) for rank in range(world)]
-
-
-_STORES: dict[Path, Store] = {}
-
-
-def _store(orch) -> Store:
-    """The job store of the ``orch`` fixture, read from this process (one connection per file)."""
-    path = orch.state_dir / "orch.db"
-    if path not in _STORES:
-        _STORES[path] = Store(path)
-    return _STORES[path]
-
-
-def _job_id(orch, timeout: float = 60) -> str:
-    """The id of the (only) job, as soon as it is in the store."""
-    path = orch.state_dir / "orch.db"
-
-    def find() -> str | None:
-        if not path.exists():
-            return None
-        try:
-            jobs = _store(orch).list_jobs()
-        except Exception:  # noqa: BLE001 - the file may be half-created
-            return None
-        return jobs[0].id if jobs else None
-    return wait_for(find, timeout, "the job in the store", interval=0.05)
-
-
-def _attempt(store: Store, job_id: str, number: int) -> Any:
-    """The attempt's record, or None while it is not stored yet (the job is stored first)."""
-    try:
-        return store.get_attempt(job_id, number)
-    except NotFoundError:
-        return None
-
-
-def _agent_pids(store: Store, job_id: str, attempt: int = 1) -> dict[int, int]:
-    """``{node rank: agent pid}`` from the attempt's ``agent_up`` events."""
-    return {e.data["node_rank"]: e.data["pid"] for e in store.events(job_id)
-            if e.attempt == attempt and e.kind == "agent_up"}
-
-
 def _netns_inode(cluster: Any, i: int) -> int:
     return os.stat(f"/run/netns/{cluster.net.hosts[i].ns}").st_ino
 
 
 def _in_host(cluster: Any, pid: int, i: int) -> bool:
-    return os.stat(f"/proc/{pid}/ns/net").st_ino == _netns_inode(cluster, i)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
-def _foreign_processes(cluster: Any) -> list[str]:
-    """Processes in the hosts' namespaces that are neither sshd nor the Ray node's own (which all
-    carry a session id of the cluster's `ray start`s): agents, ranks, their children."""
-    sids = set(cluster.session_ids)
-    out = []
-    for i in range(len(cluster.net.names)):
-        for pid in cluster.net.pids(i):
-            try:
-                if os.getsid(pid) in sids:
-                    continue
-                cmd = " ".join(psutil.Process(pid).cmdline())
-            except (ProcessLookupError, psutil.NoSuchProcess):
-                continue
-            if "sshd" not in cmd:
-                out.append(f"host {i}: {pid} {cmd[:120]}")
-    return out
-
-
-def _assert_hosts_clean(cluster: Any, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while _foreign_processes(cluster):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"processes left on the hosts: {_foreign_processes(cluster)}")
-        time.sleep(0.1)
-
-
-# What the cluster holds of a job, read by a driver: its named actors (alive ones: Ray drops the
-# name of a dead actor), its placement groups that are not removed, and the CPUs not available.
-# Polls (every 0.2 s) until nothing of the job is there or TIMEOUT passes; prints one JSON line.
-_CLUSTER_STATE = textwrap.dedent("""
-    import json, sys, time
-    import ray
-    ray.init(logging_level="ERROR", log_to_driver=False)
-    deadline = time.monotonic() + TIMEOUT
-    while True:
-        actors = sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                        if a["name"].startswith(PREFIX))
-        pgs = [p for p in ray.util.placement_group_table().values() if p.get("state") != "REMOVED"]
-        total, free = ray.cluster_resources().get("CPU", 0), ray.available_resources().get("CPU", 0)
-        state = {"actors": actors, "placement_groups": pgs, "cpus_in_use": total - free}
-        if (not actors and not pgs and total == free) or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
-    print(json.dumps(state))
-""")
-
-
-def _cluster_state(cluster: Any, job_id: str, timeout: float = 15.0) -> dict:
-    code = f"PREFIX, TIMEOUT = {f'orch/{job_id}.'!r}, {float(timeout)!r}\n" + _CLUSTER_STATE
-    r = cluster.run_python(code, timeout=timeout + 60)
-    assert r.returncode == 0, f"driver failed ({r.returncode}):\n{r.stdout}\n{r.stderr[-3000:]}"
-    return json.loads(r.stdout.strip().splitlines()[-1])
-
-
-def _assert_cluster_clean(cluster: Any, job_id: str, timeout: float = 15.0) -> None:
-    """No actor of the job is alive, no placement group is left, no CPU is reserved."""
-    state = _cluster_state(cluster, job_id, timeout)
-    assert state == {"actors": [], "placement_groups": [], "cpus_in_use": 0}, state
-
-
-def _actor_workers(cluster: Any) -> list[str]:
-    """Processes of the cluster that host an agent actor (``ray::OrchAgent...``)."""
-    return [f"{pid} {cmd[:100]}" for pid, cmd in cluster.processes() if "OrchAgent" in cmd]
-
-
-def _out(r: subprocess.CompletedProcess) -> str:
-    return f"exit {r.returncode}\nstdout:\n{r.stdout[-4000:]}\nstderr:\n{r.stderr[-4000:]}"
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(30)
-
-
-def _wait_training(orch, job_id: str, world: int, past: int, timeout: float = 120, attempt: int = 1) -> Path:
-    """Wait until the job is RUNNING and every rank logged a step beyond ``past``; its run dir."""
-    store = _store(orch)
-    run_dir = Path(wait_for(lambda: _attempt(store, job_id, attempt), 60, f"attempt {attempt}").plan["run_dir"])
-
-    def ready() -> bool:
-        job = store.get_job(job_id)
-        assert not job.state.is_terminal(), f"the job ended early: {job.state.value} {job.cause}"
-        return job.state.value == "RUNNING" and min(_last_steps(run_dir, world)) > past
-    wait_for(ready, timeout, f"every rank past step {past}", interval=0.1)
-    return run_dir
-
-
-def _time_to_state(orch, job_id: str, state: str, fault_mono: float, timeout: float = 30) -> float:
-    """Seconds from ``fault_mono`` until the store says ``state`` (polled every 20 ms)."""
-    store = _store(orch)
-    deadline = time.monotonic() + timeout
-    while store.get_job(job_id).state.value != state:
-        assert time.monotonic() < deadline, f"not {state} within {timeout} s: {store.get_job(job_id).state}"
-        time.sleep(0.02)
-    return time.monotonic() - fault_mono
+    return hj.in_netns(pid, cluster.net.hosts[i].ns)
 
 
 def _rank_pids(orch, job_id: str, world: int) -> dict[int, int]:
@@ -319,10 +157,10 @@ def test_hostfile_hosts_by_name_run_one_agent_actor_on_each_node(orch, write_spe
     assert [(n["host"], n["slots"]) for n in plan["nodes"]] == [(h, [0]) for h in net.names[:3]]
     assert plan["provisioner"] == "ray" and plan["master_addr"] == cluster.node_ip(0)
     r = orch("plan", str(spec), env=env)
-    assert r.returncode == 0 and all(h in r.stdout for h in net.names[:3]), _out(r)
+    assert r.returncode == 0 and all(h in r.stdout for h in net.names[:3]), hj.out(r)
 
     r = orch("run", str(spec), env=env, timeout=120)
-    assert r.returncode == 0, _out(r)
+    assert r.returncode == 0, hj.out(r)
     reports = _reports(out_dir)
     assert sorted(reports) == [0, 1, 2]
     for rank, rep in reports.items():  # one node per rank: rank i runs on host i, and so does its agent
@@ -332,13 +170,13 @@ def test_hostfile_hosts_by_name_run_one_agent_actor_on_each_node(orch, write_spe
         assert rep["env"]["MASTER_ADDR"] == cluster.node_ip(0)
         assert rep["worker_cmd"].startswith("ray::OrchAgent"), rep["worker_cmd"]  # the agent is the actor's child
     (job,) = orch.json("list")
-    store = _store(orch)
-    agents = _agent_pids(store, job["id"])
+    store = hj.store(orch)
+    agents = hj.agent_pids(store, job["id"])
     assert sorted(agents) == [0, 1, 2] and all(agents[i] == reports[i]["agent_pid"] for i in range(3))
     assert_no_leftovers(job["id"], timeout=1)
-    _assert_hosts_clean(cluster, timeout=1)
-    assert _actor_workers(cluster) == []
-    _assert_cluster_clean(cluster, job["id"])
+    hj.assert_hosts_clean(cluster.net, 1, cluster.session_ids)
+    assert hj.ray_agent_workers(cluster) == []
+    hj.assert_ray_cluster_clean(cluster, job["id"])
 
 
 def test_ranks_do_not_get_what_orchs_own_ray_driver_put_in_its_environment(orch, write_spec, hostfile, ray4,
@@ -355,7 +193,7 @@ def test_ranks_do_not_get_what_orchs_own_ray_driver_put_in_its_environment(orch,
     assert "PYTHONBREAKPOINT" not in plan["exports"], plan["exports"]
     assert "ray.util.rpdb" not in json.dumps(plan["real_commands"])
     r = orch("run", str(spec), env=env, timeout=120)
-    assert r.returncode == 0, _out(r)
+    assert r.returncode == 0, hj.out(r)
     for rank, rep in _reports(out_dir).items():
         assert rep["env"].get("PYTHONBREAKPOINT") != "ray.util.rpdb._driver_set_trace", rank
 
@@ -367,7 +205,7 @@ def test_address_auto_is_the_cluster_of_RAY_ADDRESS(orch, write_spec, hostfile, 
                        ray={"address": "auto"})
     env = cluster.env()  # RAY_ADDRESS=<head>:<port>, as `ray start` users have it
     r = orch("run", str(spec), env=env, timeout=120)
-    assert r.returncode == 0, _out(r)
+    assert r.returncode == 0, hj.out(r)
     reports = _reports(out_dir)
     assert [reports[g]["ip"] for g in (0, 1)] == [cluster.node_ip(1), cluster.node_ip(2)]
     # without RAY_ADDRESS, auto finds the cluster running here as `ray status` does (its nodes have temp
@@ -401,7 +239,7 @@ def test_without_hostfile_the_pool_is_the_alive_nodes_with_cpus(orch, write_spec
     assert r.returncode == 0 and all(ip in r.stdout for ip in want) and net.controller_addr + " " not in r.stdout
 
     r = orch("run", str(spec), env=env, timeout=120)
-    assert r.returncode == 0, _out(r)
+    assert r.returncode == 0, hj.out(r)
     reports = _reports(out_dir)
     placed = {n["host"]: [rk["global_rank"] for rk in n["ranks"]] for n in plan["nodes"]}
     assert sorted(reports) == sorted(g for ranks in placed.values() for g in ranks)
@@ -412,8 +250,8 @@ def test_without_hostfile_the_pool_is_the_alive_nodes_with_cpus(orch, write_spec
             assert reports[g]["env"]["ORCH_NODE"] == host
     (job,) = orch.json("list")
     assert_no_leftovers(job["id"], timeout=1)
-    _assert_hosts_clean(cluster, timeout=1)
-    assert _actor_workers(cluster) == []
+    hj.assert_hosts_clean(cluster.net, 1, cluster.session_ids)
+    assert hj.ray_agent_workers(cluster) == []
 
 
 # --------------------------------------------------------------------------- 2. training
@@ -424,21 +262,21 @@ def test_zero2_training_on_three_ray_nodes(orch, write_spec, hostfile, ray4, tmp
     spec = _train_spec(write_spec, hostfile, cluster, tmp_path, steps=steps, interval=interval)
     proc = orch.popen("run", str(spec), env=cluster.env())
     try:
-        job_id = _job_id(orch)
+        job_id = hj.job_id(orch)
         pids = _rank_pids(orch, job_id, 3)
         for rank, pid in pids.items():  # one rank per node: rank i runs on host i
             assert _in_host(cluster, pid, rank), (rank, pid)
-        agents = _agent_pids(_store(orch), job_id)
+        agents = hj.agent_pids(hj.store(orch), job_id)
         assert sorted(agents) == [0, 1, 2] and all(_in_host(cluster, pid, n) for n, pid in agents.items())
         out, err = proc.communicate(timeout=300)
         assert proc.returncode == 0, f"{out[-3000:]}\n{err[-3000:]}"
     finally:
-        _kill_group(proc)
+        hj.kill_group(proc)
     detail = orch.json("status", job_id)
     assert detail["state"] == "SUCCEEDED" and detail["nodes"] == cluster.net.names[:3]
     assert detail["master_addr"] == cluster.node_ip(0)
     assert [x["step"] for x in detail["ranks"]] == [steps] * 3
-    losses = _losses(Path(detail["run_dir"]))
+    losses = hj.losses(Path(detail["run_dir"]))
     assert sorted(losses) == [(rank, s) for rank in range(3) for s in range(1, steps + 1)]
     assert all(math.isfinite(v) and 0 < v < 10 for v in losses.values())
     for tag in ("step_3", "step_6"):
@@ -450,203 +288,8 @@ def test_zero2_training_on_three_ray_nodes(orch, write_spec, hostfile, ray4, tmp
         setup = next(line for line in log.splitlines() if line.startswith("[setup]"))
         assert " zero_stage=2 " in setup and " world_size=3 " in setup and f" node_rank={rank} " in setup
     assert_no_leftovers(job_id, timeout=1)
-    _assert_hosts_clean(cluster, timeout=1)
-    _assert_cluster_clean(cluster, job_id)
-
-
-# --------------------------------------------------------------------------- 3. node loss
-
-@pytest.mark.parametrize("fault", ["kill_node", "cut_link"])
-def test_node_loss_mid_training_fails_fast_and_leaves_nothing(orch, write_spec, hostfile, ray4, tmp_path,
-                                                              fault) -> None:
-    cluster, net = ray4, ray4.net
-    lease, victim = 5, 1
-    spec = _train_spec(write_spec, hostfile, cluster, tmp_path, steps=100000, name=fault.replace("_", "-"))
-    proc = orch.popen("run", str(spec), env=cluster.env({"ORCH_AGENT_LEASE_S": str(lease),
-                                                         "ORCH_NODE_TIMEOUT_S": "3", "ORCH_HEARTBEAT_S": "0.5"}))
-    try:
-        job_id = _job_id(orch)
-        _wait_training(orch, job_id, 3, past=1)
-        pids = _rank_pids(orch, job_id, 3)
-        agents = _agent_pids(_store(orch), job_id)
-        victim_procs = [p for p in job_processes(job_id) if _in_host(cluster, p.pid, victim)]
-        assert {pids[victim], agents[victim]} <= {p.pid for p in victim_procs}  # its agent and rank run there
-        wall0, t0 = time.time(), time.monotonic()
-        if fault == "kill_node":  # every process of the host: its Ray node, the actor, the agent, the rank
-            cluster.kill_node(victim, host=True)
-        else:
-            cluster.cut_link(victim)
-        detect_s = _time_to_state(orch, job_id, "FAILED", t0)
-        if fault == "cut_link":  # its rank still runs: nothing could reach it, and its lease is not over
-            assert [p for p in victim_procs if _alive(p.pid)], "the cut host's processes were gone before its lease"
-        first = orch.json("status", job_id)["cause"]
-        assert proc.wait(60) == 1
-        stopped_s = time.monotonic() - t0
-        out, _ = proc.communicate()
-        # the cause is final once the attempt has stopped: a killed node's peers may fail their
-        # collective first (connection reset), and teardown then names the lost node as the root cause
-        detail = orch.json("status", job_id)
-        cause = detail["cause"]
-        ended_s = detail["attempts"][0]["ended_at"] - wall0
-        print(f"\n[ray node loss] {fault} of {net.names[victim]}: FAILED {detect_s:.2f} s after the fault "
-              f"(store's ended_at: {ended_s:.2f} s); first cause: {first['message']}; "
-              f"final cause: {cause['message']}")
-        assert cause["kind"] == "node_lost" and cause["node"] == net.names[victim], cause
-        assert cause["node_rank"] == victim and net.names[victim] in cause["message"]
-        assert detail["attempts"][0]["cause"] == cause
-        if first["kind"] != "node_lost":  # a symptom first: a rank of another node, kept in the cause
-            assert first["kind"] == "rank_exit" and first["node_rank"] != victim, first
-            assert cause["first_symptom"] == first
-        assert detect_s < 5, f"node loss detected after {detect_s:.2f} s"
-        assert f"cause: {cause['message']}" in " ".join(out.split()), out[-2000:]
-        others = [pid for rank, pid in pids.items() if rank != victim] + \
-                 [pid for node, pid in agents.items() if node != victim]
-        assert not any(_alive(pid) for pid in others)  # the other nodes' agents and ranks stopped
-        if fault == "cut_link":
-            # the cut host cannot be told: its agent stops its rank once the controller's lease runs out
-            assert_no_leftovers(job_id, timeout=lease + GRACE + 10)
-            gone_s = time.monotonic() - t0
-            print(f"[ray node loss] cut host's agent stopped its rank {gone_s:.1f} s after the cut "
-                  f"(lease {lease} s, grace {GRACE} s); orch run returned after {stopped_s:.1f} s")
-            assert gone_s > lease - 1  # it was the lease, not something else
-        else:
-            assert_no_leftovers(job_id, timeout=1)  # orch run returns once every reachable process is gone
-            print(f"[ray node loss] orch run returned {stopped_s:.1f} s after the kill")
-        _assert_hosts_clean(cluster, timeout=1 if fault == "kill_node" else 10)
-        if fault == "cut_link":
-            # orch killed the cut node's actor (Ray lists no actor of the job), but only that node's
-            # raylet can report its CPUs free: with the link back it does, and nothing is left
-            state = _cluster_state(cluster, job_id, timeout=0)
-            assert state["actors"] == [] and state["placement_groups"] == [], state
-            cluster.restore_link(victim, wait=True)
-        _assert_cluster_clean(cluster, job_id, timeout=30)
-        if fault == "kill_node":  # once Ray knows it is dead, a job naming that host is refused up front
-            dead_s = cluster.wait_dead(victim) + (time.monotonic() - t0)
-            print(f"[ray node loss] Ray itself marked the killed node dead {dead_s:.1f} s after the kill")
-            r = orch("run", str(spec), env=cluster.env(), timeout=120)
-            assert r.returncode == 2, _out(r)
-            assert f"host {net.names[victim]} has no alive Ray node" in " ".join(r.stderr.split()), r.stderr
-            assert [j["id"] for j in orch.json("list")] == [job_id]  # no new job
-    finally:
-        _kill_group(proc)
-        cluster.reset()
-    cluster.wait_alive()
-
-
-# --------------------------------------------------------------------------- 4. resume on a spare
-
-def test_lost_node_resumes_on_a_spare_from_the_last_complete_checkpoint(orch, write_spec, hostfile, ray4,
-                                                                        tmp_path) -> None:
-    cluster, net = ray4, ray4.net
-    steps, interval, victim = 60, 10, 1
-    spec = _train_spec(write_spec, hostfile, cluster, tmp_path, steps=steps, interval=interval, name="spare",
-                       hosts=(0, 1, 2, 3), num_nodes=3)
-    env = cluster.env()
-    proc = orch.popen("run", str(spec), env=env)
-    try:
-        job_id = _job_id(orch)
-        run_dir = _wait_training(orch, job_id, 3, past=1)
-        ckpt = Path(_attempt(_store(orch), job_id, 1).plan["checkpoint_dir"])
-
-        def between_checkpoints() -> bool:  # a complete checkpoint, and training well past it
-            done = _last_steps(run_dir, 3)
-            assert max(done) < steps, "attempt 1 finished before the fault"
-            return (inspect_tag(ckpt / f"step_{interval}").complete and min(done) > interval
-                    and 2 <= min(done) % interval <= interval - 4 and max(done) - min(done) < 3)
-        wait_for(between_checkpoints, 120, "training between two checkpoints", interval=0.02)
-        cluster.kill_node(victim, host=True)
-        assert proc.wait(60) == 1
-        first = orch.json("status", job_id)
-        assert first["state"] == "FAILED" and first["cause"]["kind"] == "node_lost", first["cause"]
-        assert first["cause"]["node"] == net.names[victim] and first["nodes"] == net.names[:3]
-        assert_no_leftovers(job_id, timeout=1)
-        reached = _losses(run_dir)
-        info, _ = latest_complete(ckpt)
-        assert info is not None and info.step % interval == 0 and info.step < steps
-
-        # a plain resume would need the lost node: refused before anything starts, whether Ray noticed
-        # already (no alive node) or not yet (it lists the node, whose raylet no longer answers)
-        t0 = time.monotonic()
-        r = orch("resume", job_id, env=env, timeout=120)
-        words = " ".join(r.stderr.split())
-        assert r.returncode == 2, _out(r)
-        assert f"host {net.names[victim]}" in words and ("has no alive Ray node" in words or
-                                                        "does not answer" in words), words
-        assert f"orch resume JOB --exclude {net.names[victim]}" in words, words
-        refused_s = time.monotonic() - t0
-        print(f"\n[ray resume] a plain resume needing the lost node was refused in {refused_s:.2f} s: "
-              f"{words[:160]}")
-        assert refused_s < 15 and len(orch.json("status", job_id)["attempts"]) == 1
-
-        # the lost node's Ray node is still dead (Ray may not even know yet): it is excluded, not needed
-        r = orch("resume", job_id, "--exclude", net.names[victim], env=env, timeout=300)
-        assert r.returncode == 0, _out(r)
-    finally:
-        _kill_group(proc)
-        cluster.reset()
-    done = orch.json("status", job_id)
-    assert done["state"] == "SUCCEEDED" and [a["state"] for a in done["attempts"]] == ["FAILED", "SUCCEEDED"]
-    second = done["attempts"][1]
-    spare_nodes = [net.names[0], net.names[2], net.names[3]]  # the spare joined; the lost host is out
-    assert second["nodes"] == spare_nodes and done["nodes"] == spare_nodes
-    assert done["spec"]["exclude_hosts"] == [net.names[victim]]
-    tag = second["resume_tag"]
-    assert tag == info.tag, (tag, info.tag)
-    start = int(tag.removeprefix("step_"))
-    resumed = _losses(Path(done["run_dir"]))
-    assert Path(done["run_dir"]) != run_dir
-    for rank in range(3):
-        logged = sorted(s for (r_, s) in resumed if r_ == rank)
-        assert logged == list(range(start + 1, steps + 1)), (rank, logged[:3])  # tag+1 on: no restart from 0
-        log = (Path(done["run_dir"]) / "logs" / f"rank-{rank}.log").read_text()
-        assert f"[resume] rank={rank} tag={tag} global_step={start} " in log
-    both = sorted(k for k in resumed if k in reached)
-    assert both and all(s > start for (_, s) in both)
-    assert {r_ for (r_, _) in both} == {0, 1, 2}
-    differ = [(k, reached[k], resumed[k]) for k in both if reached[k] != resumed[k]]
-    print(f"\n[ray resume] attempt 1 reached step {max(s for (_, s) in reached)}, attempt 2 resumed from {tag} "
-          f"on {spare_nodes}: {len(both) - len(differ)}/{len(both)} overlapping losses identical")
-    assert differ == [], differ[:5]
-    for tag_ in (f"step_{s}" for s in range(interval, steps + 1, interval)):
-        assert inspect_tag(ckpt / tag_).complete, tag_
-    assert_no_leftovers(job_id, timeout=1)
-    _assert_hosts_clean(cluster)
-    _assert_cluster_clean(cluster, job_id)
-
-
-# --------------------------------------------------------------------------- 5. cancel
-
-def test_cancel_stops_every_actor_and_rank_and_leaves_the_cluster_clean(orch, write_spec, hostfile, ray4,
-                                                                         tmp_path) -> None:
-    cluster = ray4
-    spec = _train_spec(write_spec, hostfile, cluster, tmp_path, steps=100000, name="cancel")
-    env = cluster.env()
-    proc = orch.popen("run", str(spec), env=env)
-    try:
-        job_id = _job_id(orch)
-        _wait_training(orch, job_id, 3, past=1)
-        pids = _rank_pids(orch, job_id, 3)
-        for rank, pid in pids.items():
-            assert _in_host(cluster, pid, rank)
-        assert len(_actor_workers(cluster)) == 3
-        t0 = time.monotonic()
-        r = orch("cancel", job_id, "--wait", "30", env=env, timeout=60)
-        elapsed = time.monotonic() - t0
-        assert r.returncode == 0 and "CANCELLED" in r.stdout, _out(r)
-        assert_no_leftovers(job_id, timeout=1)
-        print(f"\n[ray cancel] every process gone {elapsed:.1f} s after `orch cancel` started (grace {GRACE} s)")
-        assert elapsed < GRACE + 5
-        assert proc.wait(30) == 1
-    finally:
-        _kill_group(proc)
-    detail = orch.json("status", job_id)
-    assert detail["state"] == "CANCELLED" and detail["cause"]["kind"] == "cancelled"
-    assert [x["state"] for x in detail["ranks"]] == ["stopped"] * 3, detail["ranks"]
-    assert detail["attempts"][0]["stopped_at"] is not None
-    assert not any(_alive(p) for p in pids.values())
-    _assert_hosts_clean(cluster, timeout=1)
-    wait_for(lambda: _actor_workers(cluster) == [], 10, "the actors' workers to exit")
-    _assert_cluster_clean(cluster, job_id)
+    hj.assert_hosts_clean(cluster.net, 1, cluster.session_ids)
+    hj.assert_ray_cluster_clean(cluster, job_id)
 
 
 # --------------------------------------------------------------------------- 6. bad input
@@ -688,12 +331,12 @@ def test_bad_ray_input_is_one_clear_message_and_starts_nothing(orch, write_spec,
         r = orch(command, str(spec), env=cluster.env(), timeout=60)
         took = time.monotonic() - t0
         if case == "unreachable" and command == "plan":  # plan shows what it can, and says what it could not check
-            assert r.returncode == 0, _out(r)
+            assert r.returncode == 0, hj.out(r)
             assert "warning: the hosts were not checked against the Ray cluster: " + needles[0] in \
                 " ".join(r.stderr.split()), r.stderr
             assert took < 30, took
             continue
-        assert r.returncode == 2, (command, _out(r))
+        assert r.returncode == 2, (command, hj.out(r))
         assert "Traceback" not in r.stderr + r.stdout
         assert r.stderr.startswith("error:") and r.stderr.count("error:") == 1, r.stderr
         err = " ".join(r.stderr.split())
@@ -704,8 +347,8 @@ def test_bad_ray_input_is_one_clear_message_and_starts_nothing(orch, write_spec,
         assert took < 30, took
     assert orch.json("list") == []
     assert not out_dir.exists()
-    assert _actor_workers(cluster) == []
-    _assert_hosts_clean(cluster, timeout=1)
+    assert hj.ray_agent_workers(cluster) == []
+    hj.assert_hosts_clean(cluster.net, 1, cluster.session_ids)
 
 
 def test_node_lost_while_provisioning_fails_the_attempt_and_leaves_nothing(orch, write_spec, hostfile, ray4,
@@ -725,9 +368,9 @@ def test_node_lost_while_provisioning_fails_the_attempt_and_leaves_nothing(orch,
                        python=str(wrapper))
     proc = orch.popen("run", str(spec), env=cluster.env({"ORCH_PROVISION_TIMEOUT_S": "20"}))
     try:
-        job_id = _job_id(orch)
+        job_id = hj.job_id(orch)
         wait_for(lambda: all((gate / f"in-{n}").exists() for n in range(3)), 60, "every agent at the gate")
-        assert len(_actor_workers(cluster)) == 3
+        assert len(hj.ray_agent_workers(cluster)) == 3
         assert orch.json("status", job_id)["state"] == "PROVISIONING"
         t0 = time.monotonic()
         cluster.kill_node(victim, host=True)
@@ -745,13 +388,13 @@ def test_node_lost_while_provisioning_fails_the_attempt_and_leaves_nothing(orch,
         assert f"{net.names[victim]} (node {victim})" in " ".join(out.split())
         # no rank started anywhere
         assert not out_dir.exists()
-        assert [e for e in _store(orch).events(job_id) if e.kind in ("ranks_started", "rank_exit")] == []
+        assert [e for e in hj.store(orch).events(job_id) if e.kind in ("ranks_started", "rank_exit")] == []
         assert all(x["state"] == "not started" and x["pid"] is None for x in detail["ranks"]), detail["ranks"]
         assert detail["attempts"][0]["stopped_at"] is not None
         assert_no_leftovers(job_id, timeout=1)
-        _assert_hosts_clean(cluster, timeout=5)
-        _assert_cluster_clean(cluster, job_id)
+        hj.assert_hosts_clean(cluster.net, 5, cluster.session_ids)
+        hj.assert_ray_cluster_clean(cluster, job_id)
     finally:
         (gate / "open").touch()
-        _kill_group(proc)
+        hj.kill_group(proc)
         cluster.reset()
