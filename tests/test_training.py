@@ -4,14 +4,16 @@ The job is examples/train_gpt.py (a byte-level GPT on the CPython standard libra
 source) on 2 local "nodes", DS_ACCELERATOR=cpu with gloo. The model is shrunk by flags so
 each launch is dominated by start-up (Python, torch and DeepSpeed imports), not training.
 
-Each stage's uninterrupted run (``trained``, once per module) is both what
-test_zero_stage_trains_across_two_nodes checks and what the kill-and-resume test's resumed
-losses must equal: one launch, not two.
+Each stage's uninterrupted run is the session's shared one (``zero_run``, tests/zero_runs.py:
+60 steps, a checkpoint every 10, 2 nodes x 2 slots at ZeRO-2, else x 1, plus DeepSpeed's
+consolidated model at the end, which tests/test_export.py compares its export with). It is both
+what test_zero_stage_trains_across_two_nodes checks and what the kill-and-resume test's resumed
+losses must equal: the victim is a job of the same spec (zero_runs.zero_spec) in a state dir of
+its own, killed and resumed there; the shared run is only read.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import signal
@@ -19,19 +21,16 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
-from conftest import ROOT, Orch, assert_no_leftovers, wait_for
+from conftest import assert_no_leftovers, wait_for
 from orchestrator.checkpoints import inspect_tag
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import helpers_train  # noqa: E402
+import zero_runs  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
-EXAMPLES = ROOT / "examples"
-TINY = ["--n-layer", "1", "--d-model", "32", "--n-head", "2", "--seq-len", "32", "--corpus-bytes", "200000",
-        "--log-interval", "0"]
 REL_TOL = 1e-4
 
 
@@ -41,23 +40,8 @@ def ds_ops() -> None:
     helpers_train.prebuild_ops()
 
 
-#: the job of every test: STEPS steps, a checkpoint every INTERVAL
-STEPS, INTERVAL = 60, 10
-ARGS = ["--steps", str(STEPS), "--checkpoint-interval", str(INTERVAL)]
-
-
-def _slots(stage) -> int:
-    return 2 if stage == 2 else 1
-
-
-def _spec(write_spec, hostfile, stage, *, slots: int, args: list[str], name: str = "zero") -> Path:
-    config = json.loads((EXAMPLES / f"ds_zero{stage}.json").read_text())
-    config["train_micro_batch_size_per_gpu"] = 4
-    return write_spec(
-        name=name, hostfile=str(hostfile("".join(f"node-{i} slots={slots}\n" for i in range(2)))),
-        launcher="pdsh", workdir=str(EXAMPLES), entrypoint="train_gpt.py", args=TINY + args,
-        deepspeed_config=config, stop_grace_seconds=5,
-        env={"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"})
+#: the job of every test (tests/zero_runs.py): STEPS steps, a checkpoint every INTERVAL
+STEPS, INTERVAL = zero_runs.STEPS, zero_runs.INTERVAL
 
 
 def _losses(run_dir: Path) -> dict[tuple[int, int], float]:
@@ -65,46 +49,11 @@ def _losses(run_dir: Path) -> dict[tuple[int, int], float]:
     return helpers_train.attempt_losses(run_dir)
 
 
-def _left(job_id: str, timeout: float) -> list[str]:
-    """What ``assert_no_leftovers(job_id, timeout)`` fails with now, if it does."""
-    try:
-        assert_no_leftovers(job_id, timeout=timeout)
-    except AssertionError as err:
-        return [str(err)]
-    return []
-
-
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """``trained(stage)``: ``(orch, orch run's CompletedProcess, job id, leftovers 1 s after it returned)`` of one
-    uninterrupted ``orch run`` of the stage's job (ARGS) in a state dir of its own, run once per module."""
-    runs: dict = {}
-
-    def get(stage):
-        if stage not in runs:
-            tmp = tmp_path_factory.mktemp(f"zero{stage}")
-            (tmp / "state").mkdir()
-            orch = Orch(tmp / "state")
-
-            def write_spec(**fields) -> Path:
-                path = tmp / "job.yaml"
-                path.write_text(yaml.safe_dump(fields, sort_keys=False))
-                return path
-
-            def hostfile(text: str) -> Path:
-                (tmp / "hostfile").write_text(text)
-                return tmp / "hostfile"
-            r = orch("run", str(_spec(write_spec, hostfile, stage, slots=_slots(stage), args=ARGS)))
-            jobs = orch.json("list")
-            runs[stage] = (orch, r, jobs[0]["id"] if jobs else None, _left(jobs[0]["id"], 1) if jobs else [])
-        return runs[stage]
-    return get
-
-
 @pytest.mark.parametrize("stage", [0, 1, 2, 3, "2_offload"])
-def test_zero_stage_trains_across_two_nodes(trained, stage) -> None:
-    slots = _slots(stage)
-    orch, r, _, leftovers = trained(stage)
+def test_zero_stage_trains_across_two_nodes(zero_run, stage) -> None:
+    slots = zero_runs.slots(stage)
+    run = zero_run(stage)
+    orch, r, leftovers = run.orch, run.result, run.leftovers
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     (job,) = orch.json("list")
     detail = orch.json("status", job["id"])
@@ -128,18 +77,18 @@ def test_zero_stage_trains_across_two_nodes(trained, stage) -> None:
 
 
 @pytest.mark.parametrize("stage,slots", [(1, 1), (2, 2), (3, 1)])
-def test_kill_a_rank_then_resume_matches_an_uninterrupted_run(orch, write_spec, hostfile, trained, stage,
-                                                              slots) -> None:
-    steps, interval, args = STEPS, INTERVAL, ARGS
+def test_kill_a_rank_then_resume_matches_an_uninterrupted_run(orch, tmp_path, zero_run, stage, slots) -> None:
+    steps, interval = STEPS, INTERVAL
     world = 2 * slots
-    assert slots == _slots(stage)
+    assert slots == zero_runs.slots(stage)
 
-    ref_orch, ref_run, ref_id, _ = trained(stage)  # the stage's uninterrupted run of the same job
-    assert ref_run.returncode == 0
-    expected = _losses(Path(ref_orch.json("status", ref_id)["run_dir"]))
+    ref = zero_run(stage)  # the stage's uninterrupted run of the same job
+    assert ref.result.returncode == 0
+    expected = _losses(Path(ref.orch.json("status", ref.job_id)["run_dir"]))
     assert len(expected) == world * steps
 
-    spec = _spec(write_spec, hostfile, stage, slots=slots, args=args, name="victim")
+    spec = zero_runs.zero_spec(stage, tmp_path, name="victim")
+    assert zero_runs.spec_fields(spec) == zero_runs.spec_fields(ref.spec)  # the same job, only its name differs
     proc = orch.popen("run", str(spec))
     try:
         job_id = wait_for(lambda: [j["id"] for j in orch.json("list") if j["name"] == "victim"], 60, "the job")[0]
