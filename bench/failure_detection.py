@@ -10,7 +10,7 @@ is its default 600 s), started by
 * ``deepspeed``: ``deepspeed --hostfile H --launcher pdsh ...``, the real runner with Debian's pdsh over
   OpenSSH (bench/launch_ssh.py's set-up).
 
-Once every rank logged step 3, one fault hits host 2 (global rank 2):
+Once every rank logged step 3, one fault hits the last host, host 2 (global rank 2):
 
 * ``kill_node``: every process of the host is SIGKILLed, its sshd included (a node that dies);
 * ``cut_link``: the host's interface goes down (its packets are dropped: peers see silence, no reset);
@@ -21,8 +21,14 @@ Measured: seconds from the fault until the command the user ran (``orch run``; t
 then how many processes of the run are still alive on each host 5 s later (the hosts' sshd excluded). Each
 trial's network is reset after it (links up, everything killed).
 
+``--quick`` is a smoke run (``python -m bench --quick``), not a measurement: one round of ``kill_node`` (unless
+``--faults`` says otherwise) with a 30 s limit (unless ``--limit`` does), on 2 hosts (bench/launch_ssh.py's
+:data:`~bench.launch_ssh.QUICK_HOSTS`; the fault hits host 1), op caches copied from a warm one
+(:func:`bench.launch_ssh.copy_built_ops`) instead of the warm-up runs, which it skips.
+
     sudo .venv/bin/python bench/failure_detection.py --rounds 3
     sudo .venv/bin/python bench/failure_detection.py --faults kill_node --rounds 1 --limit 30
+    sudo .venv/bin/python bench/failure_detection.py --quick
 """
 
 from __future__ import annotations
@@ -45,12 +51,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from bench.launch_latency import ARGS  # noqa: E402  (the same tiny model)
-from bench.launch_ssh import EXAMPLES, HOSTS, Systems  # noqa: E402
+from bench.launch_ssh import EXAMPLES, HOSTS, QUICK_HOSTS, Systems, warm_ops_dir  # noqa: E402
 
 FAULTS = ("kill_node", "cut_link", "stop_rank")
 SYSTEMS = ("orch", "deepspeed")
 STEP = re.compile(rb"\[train\] step=(\d+) rank=(\d+) ")  # (pdsh prefixes each line with its host)
-VICTIM = 2  # host index and global rank hit by the fault
 TRAIN = [*ARGS[:ARGS.index("--steps")], "--steps", "100000", *ARGS[ARGS.index("--steps") + 2:]]
 AFTER_S = 5.0  # processes are counted this long after the run ended
 
@@ -85,21 +90,26 @@ def _live(pid: int) -> bool:
         return False
 
 
-def _victim_pid(net) -> int:
-    """The training process of global rank :data:`VICTIM` on its host (not its launcher or agent)."""
-    for pid in net.pids(VICTIM):
+def _victim_pid(net, victim: int) -> int:
+    """The training process of global rank ``victim`` on host ``victim`` (not its launcher or agent)."""
+    for pid in net.pids(victim):
         try:
             p = psutil.Process(pid)
-            if p.environ().get("RANK") == str(VICTIM) and "train_gpt.py" in " ".join(p.cmdline()) \
+            if p.environ().get("RANK") == str(victim) and "train_gpt.py" in " ".join(p.cmdline()) \
                     and "deepspeed.launcher.launch" not in " ".join(p.cmdline()):
                 return pid
         except psutil.Error:
             continue
-    raise LookupError(f"rank {VICTIM}'s process on host {VICTIM}")
+    raise LookupError(f"rank {victim}'s process on host {victim}")
 
 
 class Trials(Systems):
     """Starts either system on the training job and applies a fault (see the module docstring)."""
+
+    @property
+    def victim(self) -> int:
+        """The host index and global rank hit by the fault: the last host's (2 of :data:`HOSTS`)."""
+        return self.hosts - 1
 
     def start(self, system: str) -> tuple[subprocess.Popen, callable]:
         """Start ``system``; returns its process and a function listing its rank logs."""
@@ -120,20 +130,20 @@ class Trials(Systems):
         return proc, lambda: [out]
 
     def fault(self, fault: str) -> None:
-        """Apply ``fault`` to host :data:`VICTIM`."""
+        """Apply ``fault`` to host :attr:`victim`."""
         if fault == "kill_node":
-            self.net.kill_host(VICTIM)
+            self.net.kill_host(self.victim)
         elif fault == "cut_link":
-            self.net.cut_link(VICTIM)
+            self.net.cut_link(self.victim)
         else:
-            os.kill(_victim_pid(self.net), signal.SIGSTOP)
+            os.kill(_victim_pid(self.net, self.victim), signal.SIGSTOP)
 
     def trial(self, system: str, fault: str, limit: float) -> dict:
         """One run of ``system`` with ``fault``: ``{"ended_s": seconds or None, "left": {host: processes}}``."""
         proc, logs = self.start(system)
         try:
             deadline = time.monotonic() + 300
-            while len([s for s in _steps(logs()).values() if s >= 3]) < HOSTS:
+            while len([s for s in _steps(logs()).values() if s >= 3]) < self.hosts:
                 if proc.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"{system} did not reach step 3 on every rank (exit {proc.poll()}; "
                                        f"logs {[str(f) for f in logs()]})")
@@ -161,14 +171,18 @@ class Trials(Systems):
             self.net.reset()
 
 
-def measure(rounds: int, faults: tuple[str, ...], limit: float, log=print) -> dict[str, dict[str, list[dict]]]:
-    """``{fault: {system: [trial results]}}``, the systems alternating within each fault and round."""
+def measure(rounds: int, faults: tuple[str, ...], limit: float, log=print,
+            quick: bool = False) -> dict[str, dict[str, list[dict]]]:
+    """``{fault: {system: [trial results]}}``, the systems alternating within each fault and round (``quick``:
+    on :data:`~bench.launch_ssh.QUICK_HOSTS` hosts, op caches copied from a warm one, no warm-up runs)."""
     from nethosts import TestNetwork
     out: dict[str, dict[str, list[dict]]] = {f: {s: [] for s in SYSTEMS} for f in faults}
-    with tempfile.TemporaryDirectory(prefix="orch-bench-fd-") as work, TestNetwork(HOSTS) as net:
-        runs = Trials(net, Path(work))
-        runs.bare()  # warm the page cache and the op caches (not counted)
-        runs.orch()
+    with tempfile.TemporaryDirectory(prefix="orch-bench-fd-") as work, \
+            TestNetwork(QUICK_HOSTS if quick else HOSTS) as net:
+        runs = Trials(net, Path(work), ops_from=warm_ops_dir() if quick else None)
+        if not quick:
+            runs.bare()  # warm the page cache and the op caches (not counted)
+            runs.orch()
         for i in range(rounds):
             for fault in faults:
                 for system in SYSTEMS:
@@ -182,8 +196,10 @@ def measure(rounds: int, faults: tuple[str, ...], limit: float, log=print) -> di
 
 def table(results: dict[str, dict[str, list[dict]]], limit: float) -> str:
     """A markdown table: per fault and system, the seconds to the end (median, min-max; how many ended within the
-    limit) and the processes left on the faulty host and on the others (max over the rounds)."""
-    victim = f"host {VICTIM}"
+    limit) and the processes left on the faulty host (the last one) and on the others (max over the rounds)."""
+    hosts = max((len(t["left"]) for by_system in results.values() for trials in by_system.values() for t in trials),
+                default=HOSTS)
+    victim = f"host {hosts - 1}"
     lines = ["| fault | system | run ended after (median; min-max) | ended within the limit | processes left "
              f"{AFTER_S:g} s after it ended, or after Ctrl-C at the limit: {victim} / other hosts (max) |",
              "|---|---|---|---|---|"]
@@ -193,8 +209,8 @@ def table(results: dict[str, dict[str, list[dict]]], limit: float) -> str:
             when = (f"{statistics.median(done):.2f} s; {min(done):.2f}-{max(done):.2f} s" if done
                     else f"not within {limit:g} s")
             names = list(trials[0]["left"]) if trials else []
-            on_victim = max((t["left"][names[VICTIM]] for t in trials), default=0)
-            others = max((sum(v for k, v in t["left"].items() if k != names[VICTIM]) for t in trials), default=0)
+            on_victim = max((t["left"][names[-1]] for t in trials), default=0)
+            others = max((sum(v for k, v in t["left"].items() if k != names[-1]) for t in trials), default=0)
             label = "deepspeed --launcher pdsh" if system == "deepspeed" else system
             lines.append(f"| {fault} | {label} | {when} | {len(done)}/{len(trials)} | {on_victim} / {others} |")
     return "\n".join(lines)
@@ -203,15 +219,23 @@ def table(results: dict[str, dict[str, list[dict]]], limit: float) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--faults", default=",".join(FAULTS), help=f"comma-separated, of {', '.join(FAULTS)}")
-    ap.add_argument("--limit", type=float, default=60.0, help="seconds to wait for a run to end after the fault")
+    ap.add_argument("--faults", help=f"comma-separated, of {', '.join(FAULTS)} (default: all; --quick: kill_node)")
+    ap.add_argument("--limit", type=float,
+                    help="seconds to wait for a run to end after the fault (default 60; --quick: 30)")
+    ap.add_argument("--quick", action="store_true",
+                    help=f"a smoke run, not a measurement: one round of kill_node, limit 30 s, {QUICK_HOSTS} hosts, op "
+                         "caches copied from $TORCH_EXTENSIONS_DIR (else .torch_extensions), no warm-up runs")
     ap.add_argument("--json", action="store_true", help="print every trial as JSON")
     args = ap.parse_args(argv)
+    if args.faults is None:
+        args.faults = "kill_node" if args.quick else ",".join(FAULTS)
+    if args.limit is None:
+        args.limit = 30.0 if args.quick else 60.0
     faults = tuple(f for f in args.faults.split(",") if f)
     unknown = [f for f in faults if f not in FAULTS]
     if unknown:
         ap.error(f"unknown fault(s) {', '.join(unknown)}; expected some of {', '.join(FAULTS)}")
-    results = measure(args.rounds, faults, args.limit)
+    results = measure(1 if args.quick else args.rounds, faults, args.limit, quick=args.quick)
     print(json.dumps(results) if args.json else table(results, args.limit))
     return 0
 

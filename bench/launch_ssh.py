@@ -22,7 +22,12 @@ for the ranks started over ssh, one for the local bare process: :data:`EXT_DIRS`
 command to the moment the *last* rank has logged ``[train] step=1``; min, median
 and max over the rounds, and each system's median over orch's. Needs root (namespaces).
 
+``--quick`` is a smoke run (``python -m bench --quick``), not a measurement: one round on :data:`QUICK_HOSTS`
+hosts, every system once; of the warm-up runs only orch_warm's (so that its counted job takes kept agents);
+the op caches start as copies of a warm one (:func:`copy_built_ops`) instead of being built by the warm-up runs.
+
     sudo .venv/bin/python bench/launch_ssh.py --rounds 5
+    sudo .venv/bin/python bench/launch_ssh.py --quick
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import socket
 import statistics
 import subprocess
@@ -50,12 +56,41 @@ from bench.launch_latency import ARGS, wait_step1  # noqa: E402  (the same job; 
 EXAMPLES = ROOT / "examples"
 STEP1 = re.compile(rb"\[train\] step=1 rank=(\d+) ")
 HOSTS = 3
+#: ``--quick``'s hosts: the fewest with which DeepSpeed's runner still goes through pdsh (with one host it runs
+#: launch.py locally) and torchrun still has a rendezvous of several nodes
+QUICK_HOSTS = 2
 
 
 #: DeepSpeed's JIT op cache of the ranks started over ssh (orch, pdsh, torchrun) and of the local bare process:
-#: two, because a build made in one environment does not match the other (torch rebuilds it: 40-60 s each time
-#: seen here when all four shared one), and each is warmed by a round that is not counted.
+#: two, because a build made in one environment did not match the other (torch rebuilt it: 40-60 s each time
+#: seen here when all four shared one; the bare process then found Debian's older ninja first on its PATH, and each
+#: ninja rebuilds what the other built, not taking its build log: now every system's PATH has this Python's
+#: directory first). Each is warmed by a round that is not counted (``--quick``: copied, :func:`copy_built_ops`).
 EXT_DIRS = {"ssh": "ext-ssh", "local": "ext-local"}
+
+
+def warm_ops_dir() -> Path:
+    """Where ``--quick`` finds ops built already: ``$TORCH_EXTENSIONS_DIR``, else the tests' cache
+    (``.torch_extensions`` in the checkout, tests/conftest.py's default)."""
+    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or ROOT / ".torch_extensions")
+
+
+def copy_built_ops(src: Path, dest: Path) -> list[str]:
+    """Copy every op that is built in ``src`` (``<op>/<op>.so`` there and no build holding ``<op>/lock``) into
+    ``dest`` (file times kept, so torch's ninja finds the copy up to date), and return their names.
+
+    The copy is what the warm-up runs would have built: the same sources and flags, the same virtualenv's ninja
+    (the ranks' ``PATH`` has it first). An op built differently is rebuilt by the first rank that loads it, as
+    without the copy. The copy, not ``src`` itself, so that no rank of the benchmark writes into a cache others
+    use (a rank killed in a build would leave its lock there).
+    """
+    done = []
+    for lib in sorted(src.glob("*/*.so")):
+        op = lib.parent
+        if lib.stem == op.name and not (op / "lock").exists():
+            shutil.copytree(op, dest / op.name, ignore=shutil.ignore_patterns("lock"))
+            done.append(op.name)
+    return done
 
 
 def _env_vars(ext: str) -> dict[str, str]:
@@ -68,8 +103,11 @@ def _env_vars(ext: str) -> dict[str, str]:
 class Systems:
     """The four ways to start the job on one :class:`nethosts.TestNetwork` (see the module docstring)."""
 
-    def __init__(self, net, work: Path) -> None:
+    def __init__(self, net, work: Path, ops_from: Path | None = None) -> None:
+        """``ops_from``: a warm op cache whose built ops both of :data:`EXT_DIRS` start with
+        (:func:`copy_built_ops`); without it they start empty and the first run on each side builds them."""
         self.net, self.work = net, work
+        self.hosts = len(net.names)
         self.server: subprocess.Popen | None = None  # orch_warm's server, started by its first run
         self.port = 29600
         bin_dir = work / "bin"
@@ -81,6 +119,10 @@ class Systems:
         self.hostfile = work / "hostfile"
         self.hostfile.write_text("".join(f"{n} slots=1\n" for n in net.names))
         self.ext = {k: str(work / d) for k, d in EXT_DIRS.items()}
+        if ops_from is not None:
+            copied = [copy_built_ops(ops_from, Path(d)) for d in self.ext.values()]
+            print(f"op caches start with {', '.join(copied[0]) or 'nothing'} built (copied from {ops_from})",
+                  file=sys.stderr, flush=True)
         self.ds_env = work / "ds_env"
         self.ds_env.write_text("".join(f"{k}={v}\n" for k, v in {**self._vars(), "PATH": self.path}.items()))
 
@@ -102,7 +144,7 @@ class Systems:
         proc = subprocess.Popen([sys.executable, "-m", "orchestrator", "run", str(spec)], env=env,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         logs = lambda: list((d / "state").glob("jobs/*/attempt-1/logs/rank-*.log"))  # noqa: E731
-        dt = wait_step1(logs, HOSTS, t0, [proc], 300, STEP1)
+        dt = wait_step1(logs, self.hosts, t0, [proc], 300, STEP1)
         if proc.wait(300) != 0:
             raise RuntimeError(f"orch run failed (state in {d})")
         return dt
@@ -143,7 +185,7 @@ class Systems:
         job_id = json.loads(submit.stdout)["id"]
         logs = lambda: [f for j in set((state / "jobs").glob("*")) - before  # noqa: E731
                         for f in j.glob("attempt-1/logs/rank-*.log")]
-        dt = wait_step1(logs, HOSTS, t0, [], 300, STEP1)
+        dt = wait_step1(logs, self.hosts, t0, [], 300, STEP1)
         deadline = time.monotonic() + 300
         while (end := _state(state, job_id)) not in ("SUCCEEDED", "FAILED", "CANCELLED"):
             if time.monotonic() > deadline:
@@ -172,7 +214,7 @@ class Systems:
                                      str(self.hostfile), "--launcher", "pdsh", "--master_addr", self.net.addresses[0],
                                      "--master_port", str(self._next_port()), "train_gpt.py", *ARGS],
                                     cwd=EXAMPLES, env=env, stdout=f, stderr=subprocess.STDOUT)
-        dt = wait_step1([out], HOSTS, t0, [proc], 300, STEP1)
+        dt = wait_step1([out], self.hosts, t0, [proc], 300, STEP1)
         if proc.wait(300) != 0:
             raise RuntimeError(f"deepspeed's runner failed: {out}")
         return dt
@@ -185,14 +227,14 @@ class Systems:
         procs, logs = [], []
         for i, host in enumerate(self.net.names):
             cmd = (f"cd {shlex.quote(str(EXAMPLES))} && env {exports} {shlex.quote(sys.executable)} -m "
-                   f"torch.distributed.run --nnodes {HOSTS} --nproc_per_node 1 --node_rank {i} "
+                   f"torch.distributed.run --nnodes {self.hosts} --nproc_per_node 1 --node_rank {i} "
                    f"--master_addr {self.net.addresses[0]} --master_port {port} train_gpt.py "
                    + " ".join(shlex.quote(a) for a in ARGS))
             logs.append(d / f"node-{i}.log")
             with open(logs[-1], "wb") as f:
                 procs.append(subprocess.Popen(["/usr/bin/ssh", "-F", str(self.net.ssh_config), host, cmd],
                                               stdout=f, stderr=subprocess.STDOUT))
-        dt = wait_step1(logs, HOSTS, t0, procs, 300, STEP1)
+        dt = wait_step1(logs, self.hosts, t0, procs, 300, STEP1)
         for p in procs:
             if p.wait(300) != 0:
                 raise RuntimeError(f"torchrun failed: {logs}")
@@ -202,7 +244,8 @@ class Systems:
         d = self._dir("bare")
         log = d / "bare.log"
         env = {**os.environ, **self._vars("local"), "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(self._next_port())}
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(self._next_port()),
+               "PATH": self.path}  # the other systems' ranks' PATH: this Python's directory (its ninja) first
         env.pop("GLOO_SOCKET_IFNAME")  # this machine's namespace has no eth0 of the hosts'
         t0 = time.perf_counter()
         with open(log, "wb") as f:
@@ -229,15 +272,18 @@ def _listening(port: int) -> bool:
 
 
 def measure(rounds: int, systems: tuple[str, ...] = ("orch", "orch_warm", "deepspeed_pdsh", "torchrun", "bare"),
-            log: Callable[[str], None] = print) -> dict[str, list[float]]:
-    """``{system: [seconds per round]}``, the systems interleaved round by round on one 3-host network."""
+            log: Callable[[str], None] = print, quick: bool = False) -> dict[str, list[float]]:
+    """``{system: [seconds per round]}``, the systems interleaved round by round on one 3-host network
+    (``quick``: :data:`QUICK_HOSTS` hosts, op caches copied from :func:`warm_ops_dir`, no bare and orch warm-up)."""
     from nethosts import TestNetwork
     times: dict[str, list[float]] = {s: [] for s in systems}
-    with tempfile.TemporaryDirectory(prefix="orch-bench-ssh-") as work, TestNetwork(HOSTS) as net:
-        runs = Systems(net, Path(work))
+    with tempfile.TemporaryDirectory(prefix="orch-bench-ssh-") as work, \
+            TestNetwork(QUICK_HOSTS if quick else HOSTS) as net:
+        runs = Systems(net, Path(work), ops_from=warm_ops_dir() if quick else None)
         try:
-            runs.bare()  # warm the page cache and both op caches (a round not counted)
-            runs.orch()
+            if not quick:
+                runs.bare()  # warm the page cache and both op caches (a round not counted)
+                runs.orch()
             if "orch_warm" in systems:
                 runs.orch_warm()  # starts the server; its agents stay warm for the first counted round
             for i in range(rounds):
@@ -265,9 +311,12 @@ def table(times: dict[str, list[float]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--quick", action="store_true",
+                    help=f"a smoke run, not a measurement: one round on {QUICK_HOSTS} hosts, op caches copied from "
+                         "$TORCH_EXTENSIONS_DIR (else .torch_extensions), only orch_warm's warm-up run")
     ap.add_argument("--json", action="store_true", help="print the seconds per round as JSON")
     args = ap.parse_args(argv)
-    times = measure(args.rounds)
+    times = measure(1 if args.quick else args.rounds, quick=args.quick)
     print(json.dumps(times) if args.json else table(times))
     return 0
 
