@@ -479,12 +479,11 @@ class Agent:
             "detached_s": round(time.monotonic() - detached, 3) if detached else 0.0})
 
     def _reap(self) -> None:
-        for proc in self.ranks:
-            if proc.global_rank in self.exited:
-                continue
-            code = proc.poll()
-            if code is None:
-                continue
+        ended = [(proc, code) for proc in self.ranks if proc.global_rank not in self.exited
+                 for code in (proc.poll(),) if code is not None]
+        if ended:  # the steps they reported last go first: the controller judges an exit by the rank's last step
+            self._send_progress(force=True)
+        for proc, code in ended:
             self.exited[proc.global_rank] = code
             self.metrics.rank_exited(proc.pid)
             self.writer.send({"type": "rank_exit", "global_rank": proc.global_rank, "returncode": code,

@@ -104,6 +104,19 @@ def test_a_rank_that_exited_zero_or_said_final_is_not_a_hang() -> None:
     assert w2.stalled(set()) is None
 
 
+def test_a_rank_is_finished_once_it_reported_its_final_step_or_its_total() -> None:
+    """What an exit after the last step is told by (supervision/messages.py: 'after its last step')."""
+    w, clock = _watch(hang=2.0)
+    assert w.finished_at(0) is None  # nothing reported
+    w.record([(0, {"step": 4, "total_steps": 5.0}), (1, {"step": 5, "total_steps": 5.0})])
+    assert w.finished_at(0) is None and w.finished_at(1) == (5, 5)  # (the agent passes numbers on as floats)
+    w.record([(0, {"step": 7, "final": True})])  # final says so whatever the total
+    assert w.finished_at(0) == (7, 5)
+    w2, _ = _watch(hang=2.0)
+    w2.record([(0, {"step": 9}), (1, {"step": 3, "total_steps": True})])  # no total, or not a number
+    assert w2.finished_at(0) is None and w2.finished_at(1) is None
+
+
 def test_ranks_still_running_long_after_one_finished_are_named() -> None:
     w, clock = _watch(hang=2.0)
     _steps(w, clock, 10, gap=0.1)

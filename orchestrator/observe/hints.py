@@ -63,6 +63,11 @@ def next_steps(detail: dict[str, Any]) -> list[str]:
     if kind == "spawn_failed":
         return [f"fix the rank's command (the spec's python or entrypoint, or the node named above), then run the "
                 f"fixed spec as a new job (orch run SPEC); if the node was at fault: orch resume {job}"]
+    if kind == "rank_exit" and cause.get("after_last_step") is not None:
+        return [f"the rank had reported its last step (step {cause['after_last_step']}) and failed on its way out: "
+                "read the end of its log above (a crash in the interpreter's teardown, e.g. gloo's 'terminate called "
+                "without an active exception', exits with SIGABRT); what it saved is as it left it, and "
+                f"orch resume {job} starts from its last complete checkpoint"]
     return [f"resume from the last complete checkpoint: orch resume {job} (after fixing the cause above, where it is "
             "in the script or its data)"]
 

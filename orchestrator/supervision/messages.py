@@ -120,11 +120,17 @@ class AttemptMessages:
         local = next(r.local_rank for r in node.ranks if r.global_rank == rank)
         if isinstance(msg.get("at"), (int, float)):
             self.services.metrics.failure_detected("rank_exit", time.time() - msg["at"])
-        self._fail({"kind": "rank_exit", "global_rank": rank, "local_rank": local, "node": node.host,
-                    "node_rank": node.node_rank, "returncode": code,
-                    "message": f"rank {rank} (local rank {local}) on {node.host} (node {node.node_rank}) "
-                               f"exited with {msg.get('how') or code}",
-                    "log_tail": rank_log_tail(self.plan.to_dict(), rank)})
+        cause = {"kind": "rank_exit", "global_rank": rank, "local_rank": local, "node": node.host,
+                 "node_rank": node.node_rank, "returncode": code,
+                 "message": f"rank {rank} (local rank {local}) on {node.host} (node {node.node_rank}) "
+                            f"exited with {msg.get('how') or code}",
+                 "log_tail": rank_log_tail(self.plan.to_dict(), rank)}
+        finished = self.progress.finished_at(rank)
+        if finished is not None:  # the training was done: what failed came on the way out (a crash at exit)
+            step, total = finished
+            cause["after_last_step"] = step
+            cause["message"] += f" after its last step (step {step}{f' of {total}' if total else ''})"
+        self._fail(cause)
 
     def _on_done(self, node_rank: int, msg: dict) -> None:
         self.node_state[node_rank] = "done"

@@ -139,6 +139,7 @@ class ProgressWatch:
         self._extra: dict[int, float] = {}  # rank -> seconds added to its deadline (found exiting/saving)
         self._graces: dict[int, dict[str, int]] = {}  # rank -> {"exiting": n, "saving": n} given
         self._done: set[int] = set()  # ranks not watched: final step reported
+        self._totals: dict[int, int] = {}  # rank -> the step its run ends at, as it reported (total_steps)
         self._finishing = False  # a rank exited 0 ...
         self._finished_rank, self._finishing_since = -1, 0.0  # ... this one, then
         self._longest_gap = 0.0
@@ -179,6 +180,20 @@ class ProgressWatch:
                 self._extra.pop(rank, None)
             if point.get("final"):
                 self._done.add(rank)
+            total = point.get("total_steps")  # (a number: the agent passes every value on as a float)
+            if isinstance(total, (int, float)) and not isinstance(total, bool) and total == total:
+                self._totals[rank] = int(total)
+
+    def finished_at(self, rank: int) -> tuple[int, int | None] | None:
+        """``(last step, total steps or None)`` of a rank that reported its last step (``final``, or a step at its
+        ``total_steps``); None for a rank that did not (or reported no steps)."""
+        step = self._steps.get(rank, (None, 0.0))[0]
+        if step is None:
+            return None
+        total = self._totals.get(rank)
+        if rank in self._done or (total is not None and step >= total):
+            return step, total
+        return None
 
     def ended(self, rank: int, returncode: int) -> None:
         """A rank exited; one that exited 0 means the job is finishing: no rank's steps are watched any

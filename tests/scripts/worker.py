@@ -17,6 +17,8 @@ Configured by environment (so launchers' argv handling is untouched):
 * ``WORKER_SAY``: a line printed as it is at the start (terminal escapes, for one).
 * ``WORKER_EXIT_S``: seconds an ``atexit`` handler spends after the last step (as an upload at exit does).
 * ``WORKER_REPORT=1``: also report each step with ``agents.report.step`` (its loss, ``total_steps=WORKER_STEPS``).
+* ``WORKER_ABORT_AT_EXIT=1``: after the last step, print what gloo's exit-time abort prints and abort (SIGABRT), as
+  a rank whose interpreter teardown crashes does.
 """
 
 import os
@@ -68,3 +70,8 @@ for step in range(1, steps + 1):
     if os.environ.get("WORKER_REPORT") == "1":
         from agents import report
         report.step(step, loss=10.0 / step, total_steps=steps)
+if os.environ.get("WORKER_ABORT_AT_EXIT") == "1":
+    sys.stdout.flush()
+    sys.stderr.write("terminate called without an active exception\n")
+    sys.stderr.flush()
+    os.abort()
