@@ -123,8 +123,13 @@ def main(argv=None) -> int:
         if args.checkpoint_interval and engine.global_steps % args.checkpoint_interval == 0:
             engine.save_checkpoint(args.checkpoint_dir, tag=f"global_step{engine.global_steps}")
     print(f"[done] rank={rank} global_step={engine.global_steps}", flush=True)
+    deepspeed.comm.barrier()  # no collective may still be in flight when the process leaves
+    deepspeed.comm.destroy_process_group()
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # all written, the group destroyed: skip the teardown gloo can abort (ds_plain_train.py)
