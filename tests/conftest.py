@@ -32,15 +32,82 @@ CLUSTER_FIXTURES = frozenset({"net3", "net4", "make_net", "ray3", "ray4", "make_
 BROWSER_FIXTURES = frozenset({"browser"})
 
 
+def _worker(config: pytest.Config) -> str:
+    """This process's pytest-xdist worker id (``gw0``, ...), or ``main`` without xdist."""
+    return config.workerinput["workerid"] if hasattr(config, "workerinput") else "main"
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """A session with tests marked ``deepspeed`` starts building DeepSpeed's CPU ops (and async_io for ``async_io``
+    ones) in the background now, in one process of the session (the first xdist worker): minutes on a fresh op
+    cache that the tests needing none run beside; ``helpers_train.prebuild_ops`` waits for it."""
+    if _worker(session.config) not in ("main", "gw0") or session.config.getoption("collectonly"):
+        return
+    if any(item.get_closest_marker("deepspeed") for item in session.items):
+        import helpers_train
+        helpers_train.start_prebuild(async_io=any(item.get_closest_marker("async_io") for item in session.items))
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """A background build of the ops still running is let finish (stopped midway it would leave its lock)."""
+    import helpers_train
+    helpers_train.finish_prebuild()
+
+
+#: fixtures started once per session that tie the modules using them to one pytest-xdist worker: ``{fixture: group}``
+SHARED_GROUPS = {"ray3": "ray", "ray4": "ray", "make_ray": "ray", "slurm_cluster": "slurm", "mpi_net": "slurm",
+                 "mpi_hosts": "slurm", "zero_run": "zero_runs"}
+#: per-file seconds of the last measured run (``python tests/timing.py run`` writes it), for the order of the groups
+DURATIONS = ROOT / "tests" / "durations.json"
+
+
+def xdist_groups(items: list[pytest.Item]) -> dict[str, str]:
+    """``{test file: group}``: a file whose tests use a fixture of :data:`SHARED_GROUPS` joins that group (so a Ray or
+    Slurm cluster, or the trained ZeRO runs, start once), every other file is a group of its own (its module
+    fixtures set up once)."""
+    groups: dict[str, str] = {}
+    for item in items:
+        path = item.nodeid.split("::", 1)[0]
+        names = set(getattr(item, "fixturenames", ()))
+        shared = sorted({SHARED_GROUPS[n] for n in names if n in SHARED_GROUPS})
+        if shared:
+            groups[path] = shared[0]
+        groups.setdefault(path, path)
+    return groups
+
+
+def _schedule_for_xdist(items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (``--dist loadgroup``): mark each test with its file's group (``xdist_group``) and put
+    the groups in order of their measured seconds (:data:`DURATIONS`), longest first, so the last group to start is
+    a short one; within a group the order is the collection's."""
+    groups = xdist_groups(items)
+    try:
+        seconds = json.loads(DURATIONS.read_text())
+    except (OSError, ValueError):
+        seconds = {}
+    cost: dict[str, float] = {}
+    for path, group in groups.items():
+        cost[group] = cost.get(group, 0.0) + float(seconds.get(path, 30.0))
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(name="g-" + groups[item.nodeid.split("::", 1)[0]].replace("/", ".")))
+    order = {item.nodeid: i for i, item in enumerate(items)}
+    items.sort(key=lambda item: (-cost[groups[item.nodeid.split("::", 1)[0]]],
+                                 groups[item.nodeid.split("::", 1)[0]], order[item.nodeid]))
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Mark what a test's fixtures start (``cluster``, ``browser``, both ``integration``); skip every tests/gpu
-    test, with the one reason :data:`NO_CUDA`, where torch sees no CUDA device."""
+    """Mark what a test's fixtures start (``cluster``, ``browser``, both ``integration``); under pytest-xdist, group
+    and order the tests (:func:`_schedule_for_xdist`); skip every tests/gpu test, with the one reason
+    :data:`NO_CUDA`, where torch sees no CUDA device."""
     for item in items:
         names = set(getattr(item, "fixturenames", ()))
         for marker, fixtures in (("cluster", CLUSTER_FIXTURES), ("browser", BROWSER_FIXTURES)):
             if names & fixtures:
                 item.add_marker(marker)
                 item.add_marker("integration")
+    if hasattr(config, "workerinput"):
+        _schedule_for_xdist(items)
     gpu_items = [item for item in items if GPU_TESTS in Path(item.path).parents]
     if not gpu_items:
         return

@@ -24,6 +24,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "examples" / "train_gpt.py"
@@ -167,34 +168,84 @@ def training_past(orch, step: int, ranks: int = 3, timeout: float = 180) -> str:
     return job_id
 
 
-#: the ops prebuild_ops builds, as the directories (and libraries) they land in under TORCH_EXTENSIONS_DIR
+#: the ops prebuild_ops builds, as the directories (and libraries) they land in under TORCH_EXTENSIONS_DIR; with
+#: ``async_io`` also DeepSpeed's async_io op (NVMe offload), whose load builds pin_memory first
 _OPS = ("deepspeed_shm_comm", "cpu_adam")
+_AIO_OPS = ("pin_memory", "async_io")
+_BUILDERS = {"deepspeed_shm_comm": "ShareMemCommBuilder", "cpu_adam": "CPUAdamBuilder", "async_io": "AsyncIOBuilder"}
 #: TORCH_EXTENSIONS_DIRs this process has built (or loaded) the ops in
 _PREBUILT: set[str] = set()
+#: the build :func:`start_prebuild` started and nobody has waited for yet: (process, its stderr file, async_io)
+_BACKGROUND: list[tuple[subprocess.Popen, Any, bool]] = []
 
 
-def _ops_in_place(ext_dir: str) -> bool:
-    """Both ops' libraries are in ``ext_dir`` and no build of either holds its lock."""
+def _ops_in_place(ext_dir: str, async_io: bool = False) -> bool:
+    """The ops' libraries are in ``ext_dir`` and no build of any holds its lock."""
     return all((Path(ext_dir) / op / f"{op}.so").is_file() and not (Path(ext_dir) / op / "lock").exists()
-               for op in _OPS)
+               for op in _OPS + (_AIO_OPS if async_io else ()))
 
 
-def prebuild_ops(timeout: float = 900) -> None:
+def _build_code(async_io: bool) -> str:
+    names = [_BUILDERS[op] for op in _OPS] + ([_BUILDERS["async_io"]] if async_io else [])
+    return ("from deepspeed.accelerator import get_accelerator\n"
+            f"for n in {tuple(names)!r}:\n"
+            "    get_accelerator().create_op_builder(n).load()\n")
+
+
+def start_prebuild(async_io: bool = False) -> subprocess.Popen | None:
+    """Start :func:`prebuild_ops`'s build in the background (tests/conftest.py does when a session collects tests
+    that need the ops, so minutes of compiling on a fresh cache overlap the tests that need none); returns the
+    process, or None when the ops are built already. The next :func:`prebuild_ops` waits for it."""
+    ext_dir = os.environ.get("TORCH_EXTENSIONS_DIR", "")
+    if _BACKGROUND or (ext_dir and _ops_in_place(ext_dir, async_io)):
+        return None
+    import tempfile
+    err = tempfile.TemporaryFile()
+    proc = subprocess.Popen([sys.executable, "-c", _build_code(async_io)], env=base_env(), stdout=subprocess.DEVNULL,
+                            stderr=err, start_new_session=True)
+    _BACKGROUND.append((proc, err, async_io))
+    return proc
+
+
+def finish_prebuild(timeout: float = 1800) -> None:
+    """Wait for the background build, if one runs (a build stopped midway would leave its lock for every later
+    rank to wait on: it is let finish). Raises ``subprocess.CalledProcessError`` with its stderr if it failed."""
+    while _BACKGROUND:
+        proc, err, async_io = _BACKGROUND.pop()
+        try:
+            code = proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"the background build of DeepSpeed's ops did not finish within {timeout:.0f} s "
+                                 f"(pid {proc.pid})") from None
+        err.seek(0)
+        text = err.read().decode(errors="replace")
+        err.close()
+        if code != 0:
+            raise subprocess.CalledProcessError(code, proc.args, stderr=text)
+        ext_dir = os.environ.get("TORCH_EXTENSIONS_DIR", "")
+        if ext_dir and not async_io:
+            _PREBUILT.add(ext_dir)
+
+
+def prebuild_ops(timeout: float = 900, async_io: bool = False) -> None:
     """JIT-build (or load from ~/.cache/torch_extensions) the C++ ops the ranks need, once, here.
 
     ``deepspeed_shm_comm`` is loaded by every rank when DeepSpeed's torch backend starts on the
-    CPU accelerator; ``cpu_adam`` by optimizer offload. Building takes ~1 min each on 2 cores;
-    loading a cached build takes seconds (a Python with torch and DeepSpeed imported: 3-5 s), so once
-    this process has built or loaded them in a TORCH_EXTENSIONS_DIR whose libraries are still there
-    and unlocked, later calls (every integration module makes one) return at once.
+    CPU accelerator; ``cpu_adam`` by optimizer offload; with ``async_io``, DeepSpeed's async_io op
+    (NVMe offload: minutes of build on 2 cores), which an ops check of a node with libaio then
+    finds built. Building takes ~1 min each on 2 cores; loading a cached build takes seconds (a
+    Python with torch and DeepSpeed imported: 3-5 s), so once this process has built or loaded them
+    in a TORCH_EXTENSIONS_DIR whose libraries are still there and unlocked, later calls (every
+    integration module makes one) return at once. A build :func:`start_prebuild` started is waited
+    for first.
     """
+    finish_prebuild(timeout=max(timeout, 1800))
     ext_dir = os.environ.get("TORCH_EXTENSIONS_DIR", "")
-    if ext_dir and ext_dir in _PREBUILT and _ops_in_place(ext_dir):
+    if ext_dir and (ext_dir in _PREBUILT or async_io) and _ops_in_place(ext_dir, async_io):
+        _PREBUILT.add(ext_dir)
         return
-    code = ("from deepspeed.accelerator import get_accelerator\n"
-            "for n in ('ShareMemCommBuilder', 'CPUAdamBuilder'):\n"
-            "    get_accelerator().create_op_builder(n).load()\n")
-    subprocess.run([sys.executable, "-c", code], env=base_env(), check=True, timeout=timeout,
+    subprocess.run([sys.executable, "-c", _build_code(async_io)], env=base_env(), check=True,
+                   timeout=max(timeout, 1800) if async_io else timeout,
                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     if ext_dir:
         _PREBUILT.add(ext_dir)

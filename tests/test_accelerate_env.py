@@ -41,7 +41,7 @@ import yaml
 from accelerate_oracle import accelerate_ds_config, printless
 from conftest import assert_no_leftovers
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.deepspeed]
 
 PROBE = Path(__file__).with_name("probe.py")
 _spec = importlib.util.spec_from_file_location("orch_tests_probe_acc", PROBE)

@@ -32,7 +32,7 @@ from orchestrator.checkpoints import export_checkpoint
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from zero_runs import MODEL, ZeroRun
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.deepspeed]
 
 EXAMPLES = ROOT / "examples"
 #: the world size of each stage's shared job (2 nodes x 2 slots at stage 2, x 1 at the others)

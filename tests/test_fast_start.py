@@ -22,7 +22,7 @@ from conftest import ROOT, SCRIPTS, assert_no_leftovers, wait_for
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import helpers_train  # noqa: E402
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.deepspeed]
 
 PROBE = str(SCRIPTS / "forkprobe.py")
 EXAMPLES = ROOT / "examples"

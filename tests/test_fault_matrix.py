@@ -26,7 +26,7 @@ from faultmatrix import FAULTS, INTERVAL, run_fault
 #: the agents' lease the matrix's server is given (orch's default: 15 s)
 LEASE_S = 5.0
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.deepspeed]
 
 CAUSES = {"rank_crash": "rank_exit", "node_killed": "node_lost", "network_cut": "node_lost", "hang": "no_progress",
           "rank_stopped": "no_progress", "controller_killed": "-", "controller_stopped": "controller_stalled",

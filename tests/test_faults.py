@@ -14,7 +14,7 @@ import pytest
 import helpers_train
 from conftest import ROOT, SCRIPTS, assert_no_leftovers, job_processes, wait_for
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.deepspeed]
 
 WORKER = str(SCRIPTS / "worker.py")
 EXAMPLES = ROOT / "examples"

@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 import helpers_train
 from conftest import ROOT, assert_no_leftovers, wait_for
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.deepspeed]
 
 EXAMPLES = ROOT / "examples"
 TINY = ["--n-layer", "1", "--d-model", "32", "--n-head", "2", "--seq-len", "32", "--corpus-bytes", "200000",

@@ -29,7 +29,7 @@ from helpers_mpi import native_args
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import helpers_train  # noqa: E402
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.deepspeed]
 
 EXAMPLES = ROOT / "examples"
 TINY = ["--n-layer", "1", "--d-model", "32", "--n-head", "2", "--seq-len", "32", "--corpus-bytes", "200000",
@@ -168,6 +168,7 @@ def _resume_and_finish(orch, job_id: str, steps: int, launcher: str, *extra: str
     return done
 
 
+@pytest.mark.timing
 @pytest.mark.parametrize("launcher", ["openmpi", "slurm"])
 def test_native_rank_killed_is_detected_and_resumable(launcher, mpi_hosts, slurm_cluster, orch, write_spec,
                                                       tmp_path) -> None:
@@ -185,6 +186,7 @@ def test_native_rank_killed_is_detected_and_resumable(launcher, mpi_hosts, slurm
     _assert_clean(job_id)
 
 
+@pytest.mark.timing
 @pytest.mark.parametrize("launcher", ["openmpi", "slurm"])
 def test_native_host_lost_is_detected_and_resumes_on_the_spare(launcher, mpi_hosts, slurm_cluster, orch, write_spec,
                                                                tmp_path) -> None:

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import helpers_resume
 import helpers_train
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.deepspeed]
 
 SCRIPTS = ROOT / "tests" / "scripts"
 TWO_NODES = "node-0 slots=1\nnode-1 slots=1\n"

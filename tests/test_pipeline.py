@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import helpers_resume
 import helpers_train
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.deepspeed]
 
 EXAMPLES = ROOT / "examples"
 STEPS, INTERVAL, KILL_AT = 60, 10, 25

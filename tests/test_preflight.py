@@ -269,6 +269,7 @@ def test_preflight_spec_options(tmp_path) -> None:
 # --------------------------------------------------------------------------- local agents: each check
 
 @pytest.mark.integration
+@pytest.mark.deepspeed
 def test_passing_preflight_records_every_check_and_starts_the_ranks(orch, write_spec, hostfile, tmp_path) -> None:
     helpers_train.prebuild_ops()  # the tests' extensions dir holds the comm op: the ops check finds it
     spec = write_spec(**_fields(hostfile(TWO_NODES), tmp_path, deepspeed_config=DS_CONFIG))
@@ -496,6 +497,7 @@ def _hanging_python(tmp_path: Path) -> Path:
     return path
 
 
+@pytest.mark.timing
 @pytest.mark.integration
 def test_a_check_that_hangs_fails_at_the_timeout_and_is_killed(orch, write_spec, hostfile, tmp_path) -> None:
     python = _hanging_python(tmp_path)
@@ -521,6 +523,7 @@ def _job_checking(orch) -> str:
     return job_id
 
 
+@pytest.mark.timing
 @pytest.mark.integration
 def test_node_lost_during_preflight_is_detected_by_heartbeats(orch, write_spec, hostfile, tmp_path) -> None:
     spec = write_spec(**_fields(hostfile(TWO_NODES), tmp_path, python=str(_hanging_python(tmp_path))))
@@ -562,6 +565,7 @@ def test_controller_killed_during_preflight_leaves_nothing(orch, write_spec, hos
     assert tokens == []
 
 
+@pytest.mark.timing
 @pytest.mark.integration
 def test_agents_give_up_a_silent_controller_during_preflight(orch, write_spec, hostfile, tmp_path) -> None:
     # the controller freezes (SIGSTOP) mid-preflight: no pings reach the agents, whose lease runs out

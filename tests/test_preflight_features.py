@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -24,7 +22,7 @@ from agents import preflight_features
 from orchestrator.store import Store
 from test_preflight import TWO_NODES, _events, _fields, _plan, _run_failing
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.deepspeed, pytest.mark.async_io]
 
 ROOT = Path(__file__).resolve().parent.parent
 ZEROPP = json.loads((ROOT / "examples" / "ds_zeropp.json").read_text())
@@ -33,14 +31,10 @@ HOSTS = ["node-0", "node-1"]
 
 
 def _build_async_io() -> None:
-    """Build (or load) DeepSpeed's async_io op once in the tests' TORCH_EXTENSIONS_DIR, as helpers_train.prebuild_ops
-    does for the comm op: the ops check of a node with libaio then finds it built (minutes of build on 2 cores)."""
-    from agents.opbuild import built
-    if built(os.environ, "async_io"):  # there and unlocked: what the ops check itself takes as built
-        return
-    code = "from deepspeed.accelerator import get_accelerator\nget_accelerator().create_op_builder('AsyncIOBuilder').load()\n"
-    subprocess.run([sys.executable, "-c", code], env=helpers_train.base_env(), check=True, timeout=1800,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    """DeepSpeed's async_io op built (or loaded) once in the tests' TORCH_EXTENSIONS_DIR, as helpers_train.prebuild_ops
+    does for the comm op (minutes of build on 2 cores; the session starts it in the background): the ops check of a
+    node with libaio then finds it built."""
+    helpers_train.prebuild_ops(async_io=True)
 
 
 def _nvme_config(optimizer_path: Path, param_path: Path) -> dict:

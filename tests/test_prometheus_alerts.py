@@ -18,7 +18,7 @@ import helpers_train
 from conftest import ROOT, assert_no_leftovers, wait_for
 from promserver import PrometheusServer, check_prerequisites, free_port
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.deepspeed]
 
 EXAMPLES = ROOT / "examples"
 TINY = ["--n-layer", "1", "--d-model", "32", "--n-head", "2", "--seq-len", "32", "--corpus-bytes", "200000",

@@ -12,7 +12,7 @@ importing torch and DeepSpeed per node would cost more than the rank it forks.
 Every "host" is a network namespace on this machine (tests/nethosts.py); hosts share the file system and the
 process table with this process, so ``assert_no_leftovers`` sees every host's processes and a process belongs
 to host i when ``/proc/<pid>/ns/net`` is host i's namespace. On Ray, what the cluster itself holds of a job
-(named actors, placement groups, reserved CPUs) is read by a driver (tests/helpers_jobs.py ``assert_ray_cluster_clean``).
+(named actors, placement groups, reserved CPUs) is read by a driver (``helpers_jobs.assert_ray_cluster_clean``).
 Detection times are printed (``pytest -s``).
 """
 
@@ -32,7 +32,7 @@ import helpers_train
 from conftest import ROOT, SCRIPTS, assert_no_leftovers, job_processes, wait_for
 from orchestrator.checkpoints import inspect_tag, latest_complete
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.deepspeed]
 
 EXAMPLES = ROOT / "examples"
 ALLREDUCE = SCRIPTS / "allreduce.py"
@@ -323,7 +323,8 @@ def test_lost_node_resumes_on_a_spare(orch, write_spec, hostfile, site, tmp_path
     st = hj.store(orch)
     spare_agents = hj.agent_pids(st, job_id, 2)
     assert sorted(spare_agents) == [0, 1, 2]
-    agent_up = {e.data["node_rank"]: e.data["host"] for e in st.events(job_id) if e.attempt == 2 and e.kind == "agent_up"}
+    agent_up = {e.data["node_rank"]: e.data["host"] for e in st.events(job_id)
+                if e.attempt == 2 and e.kind == "agent_up"}
     assert agent_up[2] == net.names[3], agent_up  # node rank 2 of attempt 2 is the spare, with an agent of its own
     resumed = hj.losses(Path(done["run_dir"]))
     assert Path(done["run_dir"]) != run_dir
@@ -372,7 +373,8 @@ def test_cancel_stops_every_rank_on_every_host_within_the_grace_period(orch, wri
         elapsed = time.monotonic() - t0
         assert r.returncode == 0 and "CANCELLED" in r.stdout, hj.out(r)
         assert_no_leftovers(job_id, timeout=1)
-        print(f"\n[{site.kind} cancel] every process gone {elapsed:.1f} s after `orch cancel` started (grace {GRACE} s)")
+        print(f"\n[{site.kind} cancel] every process gone {elapsed:.1f} s after `orch cancel` started "
+              f"(grace {GRACE} s)")
         assert elapsed < GRACE + (5 if site.kind == "ray" else 3)
         assert proc.wait(30) == 1
     finally:

@@ -101,6 +101,7 @@ def test_ranks_that_fail_while_no_server_runs_are_reported_by_the_next(orch, wri
     assert_no_leftovers(job_id)
 
 
+@pytest.mark.timing
 def test_agents_stop_their_ranks_when_no_server_comes_back_in_time(orch, write_spec, hostfile, monkeypatch) -> None:
     monkeypatch.setenv("ORCH_AGENT_REATTACH_S", "3")
     spec = _spec(write_spec, hostfile, steps=3000)

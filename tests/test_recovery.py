@@ -26,7 +26,7 @@ import pytest
 import helpers_train
 from conftest import ROOT, assert_no_leftovers, job_processes, running_server, wait_for
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.deepspeed]
 
 EXAMPLES = ROOT / "examples"
 TINY = ["--n-layer", "1", "--d-model", "32", "--n-head", "2", "--seq-len", "32", "--corpus-bytes", "200000",
@@ -54,6 +54,7 @@ def _losses(orch, job_id: str, attempt: int) -> dict[tuple[int, int], str]:
     return found
 
 
+@pytest.mark.timing
 def test_a_killed_server_s_job_is_restarted_by_the_next_server(orch, write_spec, hostfile, monkeypatch) -> None:
     monkeypatch.setenv("ORCH_AGENT_REATTACH_S", "1")  # the next server comes too late to re-attach
     spec = write_spec(**_fields(hostfile, "crash", ["--steps", "200"],

@@ -116,6 +116,7 @@ def test_a_lost_node_is_left_out_and_a_spare_takes_its_place(orch, write_spec, h
     assert_no_leftovers(job_id)
 
 
+@pytest.mark.timing
 def test_cancel_during_the_backoff_calls_the_restart_off(orch, write_spec, hostfile, tmp_path) -> None:
     fields = _spec(write_spec, hostfile, tmp_path, restart={"max_restarts": 3, "backoff_seconds": 60},
                    FAIL_TIMES="9")

@@ -25,7 +25,7 @@ from conftest import ROOT, assert_no_leftovers, running_server, wait_for
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import helpers_train  # noqa: E402
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.deepspeed]
 
 EXAMPLES = ROOT / "examples"
 JOB_STATE_JS = "const h = document.querySelector('#job-header'); return h && h.dataset.state;"

@@ -24,7 +24,7 @@ from conftest import ROOT, assert_no_leftovers, wait_for
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import helpers_train  # noqa: E402
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.deepspeed]
 
 EXAMPLES = ROOT / "examples"
 TINY = ["--n-layer", "1", "--d-model", "32", "--n-head", "2", "--seq-len", "32", "--corpus-bytes", "200000",

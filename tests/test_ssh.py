@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import helpers_jobs as hj  # noqa: E402
 import helpers_train  # noqa: E402
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.deepspeed]
 
 EXAMPLES = ROOT / "examples"
 PROBE = ROOT / "tests" / "probe.py"

@@ -186,6 +186,8 @@ def _spec(write_spec, hostfile, name: str, steps: int, extra: list[str], straggl
 
 
 @pytest.mark.integration
+@pytest.mark.deepspeed
+@pytest.mark.timing
 def test_a_rank_slowed_on_purpose_is_named_within_the_window(orch, write_spec, hostfile, state_dir) -> None:
     helpers_train.prebuild_ops()
     window = 10
@@ -208,6 +210,8 @@ def test_a_rank_slowed_on_purpose_is_named_within_the_window(orch, write_spec, h
 
 
 @pytest.mark.integration
+@pytest.mark.deepspeed
+@pytest.mark.timing
 def test_even_jobs_raise_no_straggler(orch, write_spec, hostfile) -> None:
     helpers_train.prebuild_ops()
     # 6 jobs x 80 steps: 426 windows of 10 steps per rank in which an even rank could be flagged (20 jobs x 25
@@ -231,6 +235,8 @@ STRAGGLER_ROWS_JS = """return [...document.querySelectorAll('#ranks-table tr.ran
 
 
 @pytest.mark.integration
+@pytest.mark.deepspeed
+@pytest.mark.timing
 def test_the_dashboard_highlights_the_straggler_row(browser, write_spec, hostfile, tmp_path) -> None:
     from conftest import Orch, running_server, wait_for
 
@@ -253,6 +259,8 @@ def test_the_dashboard_highlights_the_straggler_row(browser, write_spec, hostfil
 
 
 @pytest.mark.integration
+@pytest.mark.deepspeed
+@pytest.mark.timing
 def test_exclude_on_restart_leaves_the_stragglers_node_out_of_the_restart(orch, write_spec, hostfile) -> None:
     helpers_train.prebuild_ops()
     spec = _spec(write_spec, hostfile, "slow-restart", 30, ["--slow-rank", "1", "--slow-ms", "200",

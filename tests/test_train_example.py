@@ -163,6 +163,7 @@ def _resume_copy(src_ckpt: Path, dst_ckpt: Path, tag: str):
 
 
 @pytest.mark.integration
+@pytest.mark.deepspeed
 @pytest.mark.parametrize("stage", [1, 3])
 def test_saved_rank_states_are_distinct(stage, reference):
     import torch
@@ -183,6 +184,7 @@ def test_saved_rank_states_are_distinct(stage, reference):
 
 
 @pytest.mark.integration
+@pytest.mark.deepspeed
 def test_resume_with_rank0_state_on_rank1_is_detected(reference, tmp_path):
     """Negative control for (b): give rank 1 rank 0's generator/RNG state, as a ZeRO-1/2 client_state would.
 
@@ -211,6 +213,7 @@ def test_resume_with_rank0_state_on_rank1_is_detected(reference, tmp_path):
 
 
 @pytest.mark.integration
+@pytest.mark.deepspeed
 def test_ds_to_universal_accepts_zero1_checkpoint(reference, tmp_path):
     ref = reference(1)
     proc = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",

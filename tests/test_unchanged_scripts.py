@@ -25,7 +25,7 @@ from conftest import ROOT, assert_no_leftovers
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import helpers_train
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.deepspeed]
 
 EXAMPLES = ROOT / "examples"
 TWO_NODES = "node-0 slots=1\nnode-1 slots=1\n"

@@ -22,9 +22,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+import helpers_train
 from conftest import ROOT, Orch, assert_no_leftovers, wait_for
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.deepspeed, pytest.mark.async_io]
 
 EXAMPLES = ROOT / "examples"
 PROMPTS, NEW_TOKENS, BATCH = 5, 8, 2
@@ -53,6 +54,8 @@ def runs(tmp_path_factory):
 
     def get(offload: str):
         if offload not in done:
+            if offload == "nvme":  # the async_io op built (or the session's background build waited for)
+                helpers_train.prebuild_ops(async_io=True)
             tmp = tmp_path_factory.mktemp(f"infer-{offload}")
             (tmp / "state").mkdir()
             orch = Orch(tmp / "state")

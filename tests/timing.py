@@ -7,7 +7,8 @@ setup took (its dependencies are set up first and counted under their own names)
 pytest-xdist worker, ``main`` without xdist); without it, it writes nothing.
 
 The command reads such a directory and writes the tables of docs/testing.md (per file, per fixture,
-the slowest tests), between its ``<!-- times:begin -->`` and ``<!-- times:end -->`` lines::
+the slowest tests), between its ``<!-- times:begin -->`` and ``<!-- times:end -->`` lines, and each file's
+seconds into tests/durations.json (the order in which pytest-xdist's workers take the groups, tests/conftest.py)::
 
     .venv/bin/python tests/timing.py run                  # the README's suite with --times, then the tables
     .venv/bin/python tests/timing.py run -- -m "not integration"   # pytest arguments after --
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -38,6 +40,13 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 BEGIN, END = "<!-- times:begin -->", "<!-- times:end -->"
 PHASES = ("setup", "call", "teardown")
+DURATIONS = ROOT / "tests" / "durations.json"
+#: what pytest-xdist's ``--dist loadgroup`` appends to a node id: ``@<group>`` (tests/conftest.py names them g-*)
+_GROUP_SUFFIX = re.compile(r"@g-[^@]*$")
+
+
+def _plain(nodeid: str) -> str:
+    return _GROUP_SUFFIX.sub("", nodeid)
 
 
 # --------------------------------------------------------------------------- the plugin
@@ -46,6 +55,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--times", metavar="DIR", default=None,
                      help="write every test's phase seconds and every fixture's setup seconds to "
                           "DIR/times-<worker>.json (tables: python tests/timing.py report DIR)")
+
+
+def _new_record() -> dict[str, Any]:
+    return {"setup": 0.0, "call": 0.0, "teardown": 0.0, "outcome": "passed", "markers": []}
 
 
 class _Recorder:
@@ -60,17 +73,17 @@ class _Recorder:
     def pytest_fixture_setup(self, fixturedef: Any, request: Any):  # noqa: ANN201 - a hook wrapper
         t0 = time.perf_counter()
         yield
-        self.fixtures.append((fixturedef.argname, fixturedef.scope, request.node.nodeid, time.perf_counter() - t0))
+        self.fixtures.append((fixturedef.argname, fixturedef.scope, _plain(request.node.nodeid),
+                              time.perf_counter() - t0))
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        rec = self.tests.setdefault(report.nodeid, {"setup": 0.0, "call": 0.0, "teardown": 0.0, "outcome": "passed",
-                                                    "markers": []})
+        rec = self.tests.setdefault(_plain(report.nodeid), _new_record())
         rec[report.when] = report.duration
         if report.failed or (report.skipped and report.when != "teardown"):
             rec["outcome"] = report.outcome
 
     def pytest_runtest_setup(self, item: pytest.Item) -> None:
-        rec = self.tests.setdefault(item.nodeid, {"setup": 0.0, "call": 0.0, "teardown": 0.0, "outcome": "passed"})
+        rec = self.tests.setdefault(_plain(item.nodeid), _new_record())
         rec["markers"] = sorted({m.name for m in item.iter_markers()} - {"parametrize", "usefixtures"})
 
     def dump(self, path: Path) -> None:
@@ -160,7 +173,8 @@ def tables(times: Times, top: int = 20) -> str:
     total = sum(_total(r) for r in times.tests.values())
     lines = [f"{len(times.tests)} tests, {total:.0f} s of test time in all ({total / 60:.1f} min), "
              f"{times.wall:.0f} s wall over {times.workers} process(es).", "",
-             "| file | tests | seconds | share | setup s | call s | slowest test (s) |", "|---|---|---|---|---|---|---|"]
+             "| file | tests | seconds | share | setup s | call s | slowest test (s) |",
+             "|---|---|---|---|---|---|---|"]
     rows = sorted(by_file.items(), key=lambda kv: -sum(_total(r) for _, r in kv[1]))
     for name, recs in rows:
         secs = sum(_total(r) for _, r in recs)
@@ -179,6 +193,14 @@ def tables(times: Times, top: int = 20) -> str:
     slowest = sorted(times.tests.items(), key=lambda kv: -_total(kv[1]))[:top]
     lines += [f"| {nodeid} | {_total(rec):.1f} |" for nodeid, rec in slowest]
     return "\n".join(lines) + "\n"
+
+
+def write_durations(times: Times, path: Path = DURATIONS) -> None:
+    """``{test file: seconds}`` of ``times`` into ``path`` (tests/conftest.py orders pytest-xdist's groups by it)."""
+    per: dict[str, float] = defaultdict(float)
+    for nodeid, rec in times.tests.items():
+        per[_file_of(nodeid)] += _total(rec)
+    path.write_text(json.dumps({k: round(v, 1) for k, v in sorted(per.items())}, indent=1) + "\n")
 
 
 def write_into(doc: Path, text: str, command: str) -> None:
@@ -207,6 +229,8 @@ def main(argv: Iterable[str] | None = None) -> int:
     rep.add_argument("source", type=Path)
     rep.add_argument("--write", type=Path, metavar="DOC", help="write them into DOC between its marker lines")
     rep.add_argument("--top", type=int, default=20)
+    rep.add_argument("--durations", action="store_true",
+                     help=f"with --write, also write the per-file seconds into {DURATIONS.relative_to(ROOT)}")
     args = ap.parse_args(list(argv) if argv is not None else None)
     if args.command == "run":
         out = Path(tempfile.mkdtemp(prefix="orch-times-"))
@@ -214,12 +238,17 @@ def main(argv: Iterable[str] | None = None) -> int:
         print("+", " ".join(cmd), flush=True)
         code = subprocess.call(cmd, cwd=ROOT)
         shown = "python tests/timing.py run" + (" -- " + " ".join(args.pytest_args) if args.pytest_args else "")
-        write_into(args.doc, tables(load(out)), shown)
-        print(f"tables written into {args.doc} (records in {out})")
+        times = load(out)
+        write_into(args.doc, tables(times), shown)
+        write_durations(times)
+        print(f"tables written into {args.doc}, per-file seconds into {DURATIONS} (records in {out})")
         return code
-    text = tables(load(args.source), top=args.top)
+    times = load(args.source)
+    text = tables(times, top=args.top)
     if args.write:
         write_into(args.write, text, f"python tests/timing.py report {args.source}")
+        if args.durations:
+            write_durations(times)
     else:
         sys.stdout.write(text)
     return 0
