@@ -18,8 +18,13 @@ bare / on is orch's throughput with metrics on as a fraction of the bare launche
 Scrape time: while an ``on`` job runs, ``--scrapes`` timed GETs of node 0's /metrics
 (median and p90 in ms).
 
+``--quick`` is a smoke run (``python -m bench --quick``), not a measurement: one round of each system on one node
+(:data:`QUICK`: 200 steps, the first 5 left out, enough for a scrape or two; 2,000 report calls), unless ``--steps``/``--warmup``/``--nodes`` say
+otherwise.
+
     python bench/metrics_overhead.py --rounds 3 --steps 400
     python bench/metrics_overhead.py --rounds 3 --steps 150 --model small   # bigger steps
+    python bench/metrics_overhead.py --quick
 """
 
 from __future__ import annotations
@@ -47,13 +52,16 @@ MODELS = {
     "small": ["--n-layer", "2", "--d-model", "128", "--n-head", "4", "--seq-len", "128"],
 }
 STEP = re.compile(r"^\[train\] step=(\d+) rank=(\d+) .* step_s=([0-9.]+)", re.M)
+#: a full run's options (where not given) and report calls, and ``--quick``'s
+DEFAULTS = {"steps": 400, "warmup": 20, "nodes": 2, "report_calls": 20000}
+QUICK = {"steps": 200, "warmup": 5, "nodes": 1, "report_calls": 2000}  # steps: ~1.3 s here, time to be scraped
 
 
 def run(mode: str, work: Path, args: argparse.Namespace, scrapes: list[float]) -> list[float]:
     """One ``orch run``; returns each rank's mean step time (seconds) after the warm-up."""
     state = work / f"state-{mode}-{time.monotonic_ns()}"
     hostfile = work / "hostfile"
-    hostfile.write_text("node-0 slots=1\nnode-1 slots=1\n")
+    hostfile.write_text("".join(f"node-{k} slots=1\n" for k in range(args.nodes)))
     train = ["--steps", str(args.steps), "--checkpoint-interval", "0", "--log-interval", "0",
              "--corpus-bytes", "200000", *MODELS[args.model]]
     if mode == "off":
@@ -86,10 +94,11 @@ def run(mode: str, work: Path, args: argparse.Namespace, scrapes: list[float]) -
 
 
 def run_bare(work: Path, args: argparse.Namespace) -> list[float]:
-    """DeepSpeed's launcher without orch, 2 nodes x 1 slot on this machine; each rank's mean step time."""
+    """DeepSpeed's launcher without orch, ``args.nodes`` nodes x 1 slot on this machine; each rank's mean step
+    time."""
     import base64
     import socket
-    info = base64.urlsafe_b64encode(json.dumps({"node-0": [0], "node-1": [0]}).encode()).decode()
+    info = base64.urlsafe_b64encode(json.dumps({f"node-{k}": [0] for k in range(args.nodes)}).encode()).decode()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -97,7 +106,7 @@ def run_bare(work: Path, args: argparse.Namespace) -> list[float]:
              "--corpus-bytes", "200000", "--no-report", *MODELS[args.model]]
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
            "ORCH_DEEPSPEED_CONFIG": _without_monitor(work), "PATH": _ranks_path()}
-    logs = [work / f"bare-{time.monotonic_ns()}-node{k}.log" for k in range(2)]
+    logs = [work / f"bare-{time.monotonic_ns()}-node{k}.log" for k in range(args.nodes)]
     procs = []
     for k, log in enumerate(logs):
         with open(log, "wb") as f:
@@ -154,13 +163,13 @@ def _scrape_loop(targets: Path, stop: threading.Event, scrapes: list[float]) -> 
 
 
 REPORT_COST = '''
-import os, tempfile, time
+import os, sys, tempfile, time
 d = tempfile.mkdtemp()
 os.environ.update(ORCH_JOB_ID="bench", ORCH_ATTEMPT="1", ORCH_NODE="n0", RANK="0",
                   PROMETHEUS_MULTIPROC_DIR=d, ORCH_REPORT_FILE=os.path.join(d, "r.jsonl"))
 from agents import report
 report.step(0, loss=1.0, samples=8, tokens=256, lr=1e-3)
-n = 20000
+n = int(sys.argv[1])
 t0 = time.perf_counter()
 for i in range(1, n + 1):
     report.step(i, loss=1.0 / i, samples=8, tokens=256, lr=1e-3)
@@ -168,19 +177,30 @@ print((time.perf_counter() - t0) / n)
 '''
 
 
-def report_cost() -> float:
-    """Seconds per ``agents.report.step`` call (multiprocess metrics and report file on)."""
-    out = subprocess.run([sys.executable, "-c", REPORT_COST], cwd=ROOT, capture_output=True, text=True, check=True)
+def report_cost(calls: int) -> float:
+    """Seconds per ``agents.report.step`` call (multiprocess metrics and report file on), the mean of ``calls``."""
+    out = subprocess.run([sys.executable, "-c", REPORT_COST, str(calls)], cwd=ROOT, capture_output=True, text=True,
+                         check=True)
     return float(out.stdout.strip())
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--steps", type=int, default=400)
-    p.add_argument("--warmup", type=int, default=20, help="steps left out of each rank's mean")
+    p.add_argument("--steps", type=int, help=f"default {DEFAULTS['steps']} (--quick: {QUICK['steps']})")
+    p.add_argument("--warmup", type=int, help="steps left out of each rank's mean "
+                                              f"(default {DEFAULTS['warmup']}; --quick: {QUICK['warmup']})")
+    p.add_argument("--nodes", type=int,
+                   help=f"nodes of 1 slot (default {DEFAULTS['nodes']}; --quick: {QUICK['nodes']})")
     p.add_argument("--model", choices=sorted(MODELS), default="tiny")
+    p.add_argument("--quick", action="store_true", help="a smoke run, not a measurement: one round, one node, "
+                                                        f"{QUICK['steps']} steps (see the module docstring)")
     args = p.parse_args()
+    for key, value in (QUICK if args.quick else DEFAULTS).items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
+    if args.quick:
+        args.rounds = 1
     results: dict[str, list[float]] = {"on": [], "off": [], "bare": []}
     scrapes: list[float] = []
     with tempfile.TemporaryDirectory(prefix="orch-bench-metrics-") as tmp:
@@ -191,9 +211,9 @@ def main() -> int:
                 results[mode].append(statistics.median(means))
                 print(f"round {i + 1} {mode:>4}: step {statistics.median(means) * 1000:.2f} ms "
                       f"(ranks {', '.join(f'{m * 1000:.2f}' for m in means)})", flush=True)
-    per_call = report_cost()
+    per_call = report_cost(args.report_calls)
     on, off = statistics.median(results["on"]), statistics.median(results["off"])
-    print(f"\nmodel {args.model}, {args.steps} steps, {args.rounds} rounds")
+    print(f"\nmodel {args.model}, {args.nodes} x 1 ranks, {args.steps} steps, {args.rounds} rounds")
     print(f"median step time: on {on * 1000:.3f} ms, off {off * 1000:.3f} ms; on/off = {on / off:.4f} "
           f"(overhead {100 * (on / off - 1):+.2f} %)")
     bare = statistics.median(results["bare"])
@@ -207,6 +227,8 @@ def main() -> int:
         scrapes.sort()
         print(f"scrape of node 0's /metrics: median {statistics.median(scrapes) * 1000:.2f} ms, "
               f"p90 {scrapes[math.ceil(0.9 * len(scrapes)) - 1] * 1000:.2f} ms (nearest rank) over {len(scrapes)} scrapes")
+    else:
+        print("no scrape of node 0's /metrics: the 'on' runs ended before the scraper's first look (once a second)")
     return 0
 
 
