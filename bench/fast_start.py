@@ -5,9 +5,13 @@ The same 2-node x 1-slot (``--slots 2``: 2 x 2) ZeRO-2 job of examples/train_gpt
 launch_latency.py runs) under ``orch run`` on this machine, in alternating rounds (off, on, off, on, ...)
 so load drifts affect both alike. For each run, the seconds from starting ``orch run`` until the last
 rank has logged ``[train] step=1``. Prints each round, the medians and the ratio on / off (median,
-and per round).
+and per round). One run before the rounds (not counted) warms the page cache and DeepSpeed's op cache.
+
+``--quick`` is a smoke run (``python -m bench --quick``), not a measurement: one round (off, on) and no warm-up
+run.
 
     python bench/fast_start.py --rounds 3 [--slots 2]
+    python bench/fast_start.py --quick
 """
 
 from __future__ import annotations
@@ -61,10 +65,12 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--slots", type=int, default=1, help="ranks per node (2 nodes)")
+    p.add_argument("--quick", action="store_true", help="a smoke run, not a measurement: one round, no warm-up run")
     args = p.parse_args()
     times: dict[str, list[float]] = {"off": [], "on": []}
-    run(Path(tempfile.mkdtemp(prefix="bench-fs-warm-")), "off", args.slots)  # page cache, DeepSpeed's op cache
-    for i in range(args.rounds):
+    if not args.quick:
+        run(Path(tempfile.mkdtemp(prefix="bench-fs-warm-")), "off", args.slots)  # page cache, DeepSpeed's op cache
+    for i in range(1 if args.quick else args.rounds):
         for mode in times:
             times[mode].append(run(Path(tempfile.mkdtemp(prefix=f"bench-fs-{mode}-")), mode, args.slots))
         print(f"round {i + 1}: " + "  ".join(f"{k} {v[-1]:.2f}s" for k, v in times.items()), flush=True)

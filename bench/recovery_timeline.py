@@ -16,7 +16,11 @@ fork-server templates are kept for the restart, ``orchestrator.supervision.warm`
 (``ORCH_KEEP_WARM_S=0``: the restart starts new agents, whose templates import torch and DeepSpeed again);
 the table gives both and their ratio.
 
+``--quick`` is a smoke run (``python -m bench --quick``), not a measurement: one round of a shorter job
+(:data:`QUICK_JOB`: 10 steps, a checkpoint every 4, rank 1 raises after step 6).
+
     python bench/recovery_timeline.py --rounds 3
+    python bench/recovery_timeline.py --quick
 """
 
 from __future__ import annotations
@@ -38,25 +42,28 @@ ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 TINY = ["--n-layer", "1", "--d-model", "32", "--n-head", "2", "--seq-len", "32", "--corpus-bytes", "200000",
         "--log-interval", "0"]
+#: the job's steps, checkpoint interval and the step after which rank 1 raises: a full run's, and ``--quick``'s
+JOB = {"steps": 40, "interval": 10, "fail_at": 25}
+QUICK_JOB = {"steps": 10, "interval": 4, "fail_at": 6}
 
 
-def _spec(work: Path) -> dict:
+def _spec(work: Path, job: dict[str, int] = JOB) -> dict:
     hostfile = work / "hostfile"
     hostfile.write_text("node-0 slots=1\nnode-1 slots=1\n")
     return {"name": "crash", "hostfile": str(hostfile), "workdir": str(EXAMPLES), "entrypoint": "train_gpt.py",
-            "args": ["--steps", "40", "--checkpoint-interval", "10", "--fail-at-step", "25", "--fail-rank", "1",
-                     *TINY],
+            "args": ["--steps", str(job["steps"]), "--checkpoint-interval", str(job["interval"]),
+                     "--fail-at-step", str(job["fail_at"]), "--fail-rank", "1", *TINY],
             "deepspeed_config": str(EXAMPLES / "ds_zero2.json"), "checkpoint_dir": str(work / "ckpt"),
             "env": {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}, "stop_grace_seconds": 5,
             "restart": {"max_restarts": 1, "backoff_seconds": 0}}
 
 
-def one_round(work: Path, warm: bool = True) -> dict[str, float]:
-    """Run the job once (``warm``: with warm agents, else ``ORCH_KEEP_WARM_S=0``); the milestones after the
-    failing rank's exit (seconds)."""
+def one_round(work: Path, warm: bool = True, job: dict[str, int] = JOB) -> dict[str, float]:
+    """Run the job once (``warm``: with warm agents, else ``ORCH_KEEP_WARM_S=0``; ``job``: :data:`JOB` or
+    :data:`QUICK_JOB`); the milestones after the failing rank's exit (seconds)."""
     work.mkdir(parents=True)
     spec = work / "job.yaml"
-    spec.write_text(yaml.safe_dump(_spec(work)))
+    spec.write_text(yaml.safe_dump(_spec(work, job)))
     env = {**os.environ, "ORCH_STATE_DIR": str(work / "state"), "ORCH_KEEP_WARM_S": "60" if warm else "0"}
     r = subprocess.run([sys.executable, "-m", "orchestrator", "run", str(spec)], env=env, capture_output=True,
                        text=True, timeout=600)
@@ -83,13 +90,16 @@ def one_round(work: Path, warm: bool = True) -> dict[str, float]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--quick", action="store_true",
+                    help="a smoke run, not a measurement: one round of a 10-step job (see the module docstring)")
     args = ap.parse_args()
+    job = QUICK_JOB if args.quick else JOB
     rows: dict[str, list[dict[str, float]]] = {"warm": [], "cold": []}
     with tempfile.TemporaryDirectory(prefix="orch-recovery-") as tmp:
-        for i in range(args.rounds):
+        for i in range(1 if args.quick else args.rounds):
             for kind in ("warm", "cold"):
                 t = time.monotonic()
-                rows[kind].append(one_round(Path(tmp) / f"r{i}-{kind}", warm=kind == "warm"))
+                rows[kind].append(one_round(Path(tmp) / f"r{i}-{kind}", warm=kind == "warm", job=job))
                 print(f"round {i + 1} {kind}: " + ", ".join(f"{k} {v:.2f}" for k, v in rows[kind][-1].items())
                       + f" ({time.monotonic() - t:.0f} s)", flush=True)
     print("| milestone (s after the crash) | warm agents: min / median / max | cold (ORCH_KEEP_WARM_S=0): "

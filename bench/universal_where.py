@@ -8,7 +8,11 @@ both ways, alternating (ABAB), into fresh output directories, and reports second
 and their ratio. The conversion's own work is the same in both; what differs is the interpreter start and
 the imports of torch and DeepSpeed.
 
+``--quick`` is a smoke run (``python -m bench --quick``), not a measurement: one round, converting a 2-node run's
+``step_2`` (:data:`QUICK_RUN`).
+
     python bench/universal_where.py --rounds 5
+    python bench/universal_where.py --quick
 """
 
 from __future__ import annotations
@@ -29,6 +33,9 @@ sys.path.insert(0, str(ROOT / "tests"))
 import helpers_train  # noqa: E402
 
 CONVERTER = "deepspeed.checkpoint.ds_to_universal"
+#: the run whose last step's checkpoint is converted: a full run's, and ``--quick``'s
+RUN = {"nodes": 3, "steps": 20}
+QUICK_RUN = {"nodes": 2, "steps": 2}
 
 # A warm process: imports what a rank imports (torch, deepspeed) and the converter's module, then for each line
 # of JSON argv on stdin forks a child that runs the converter as __main__ and prints the child's seconds.
@@ -57,16 +64,18 @@ for line in sys.stdin:
 """
 
 
-def make_checkpoint(work: Path) -> Path:
-    """Train 20 steps on 3 local nodes, saving step_20; returns the tag's directory."""
+def make_checkpoint(work: Path, run: dict[str, int] = RUN) -> Path:
+    """Train ``run["steps"]`` steps on ``run["nodes"]`` local nodes of 1 slot (:data:`RUN`: 20 on 3), saving the
+    last step's tag (``step_20``); returns the tag's directory."""
     ckpt = work / "ckpt"
+    steps = str(run["steps"])
     job = helpers_train.start(ROOT / "examples" / "ds_zero2.json",
-                              helpers_train.TINY_ARGS + ["--steps", "20", "--checkpoint-interval", "20"],
-                              ckpt_dir=ckpt, nodes=3, slots=1, log_dir=work / "logs")
+                              helpers_train.TINY_ARGS + ["--steps", steps, "--checkpoint-interval", steps],
+                              ckpt_dir=ckpt, nodes=run["nodes"], slots=1, log_dir=work / "logs")
     codes = job.wait(600)
     if any(codes):
         raise RuntimeError(f"training failed {codes}: {job.output()[-3000:]}")
-    return ckpt / "step_20"
+    return ckpt / f"step_{steps}"
 
 
 def cold(tag: Path, out: Path, env: dict) -> float:
@@ -88,12 +97,16 @@ def warm(proc: subprocess.Popen, tag: Path, out: Path) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--quick", action="store_true",
+                    help="a smoke run, not a measurement: one round, a 2-node run's step_2 (see the module docstring)")
     args = ap.parse_args()
+    if args.quick:
+        args.rounds = 1
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     times: dict[str, list[float]] = {"controller (fresh python)": [], "agent (warm, forked)": []}
     with tempfile.TemporaryDirectory(prefix="orch-universal-") as tmp:
         work = Path(tmp)
-        tag = make_checkpoint(work)
+        tag = make_checkpoint(work, QUICK_RUN if args.quick else RUN)
         t = time.perf_counter()
         proc = subprocess.Popen([sys.executable, "-c", _WARM], env=env, stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
