@@ -7,8 +7,12 @@ per heartbeat (twice what a real agent sends, about one a second). Once the job 
 then measure this process's CPU time (user + system, every thread: the link hub, the attempt's loop, the
 store) over ``--window`` seconds, and the threads it holds; then cancel and time the teardown.
 
+``--quick`` is a smoke run (``python -m bench --quick``), not a measurement: one round with and one without
+progress, of the smallest size only (100 agents, unless ``--nodes`` says otherwise), 0.5 s of waiting and a 1 s
+window.
+
     python bench/controller_scale.py --rounds 3              # 100 and 1,000 agents, with and without progress
-    python bench/controller_scale.py --quick                 # one round of each, a 3 s window
+    python bench/controller_scale.py --quick                 # 100 agents, one round of each, a 1 s window
 
 Target (issue 18): 1,000 agents at 2 heartbeats/s under 20% of one core.
 """
@@ -38,8 +42,9 @@ def _cpu() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def one_round(nodes: int, progress: bool, window: float) -> dict[str, float]:
-    """One job on ``nodes`` fake agents: ``{"running_s", "cpu", "threads", "cancel_s"}`` (cpu: cores)."""
+def one_round(nodes: int, progress: bool, window: float, settle: float = 3.0) -> dict[str, float]:
+    """One job on ``nodes`` fake agents, measured for ``window`` seconds from ``settle`` seconds after it is RUNNING:
+    ``{"running_s", "cpu", "threads", "cancel_s"}`` (cpu: cores)."""
     with tempfile.TemporaryDirectory(prefix="orch-bench-scale-") as d:
         hostfile = Path(d) / "hosts"
         hostfile.write_text("".join(f"node-{i:04d} slots=1\n" for i in range(nodes)))
@@ -56,7 +61,7 @@ def one_round(nodes: int, progress: bool, window: float) -> dict[str, float]:
                     raise RuntimeError(f"the job did not run: {controller.get(job.id).cause}")
                 time.sleep(0.05)
             running_s = time.perf_counter() - t0
-            time.sleep(3.0)
+            time.sleep(settle)
             c0, w0 = _cpu(), time.perf_counter()
             time.sleep(window)
             cpu = (_cpu() - c0) / (time.perf_counter() - w0)
@@ -77,17 +82,21 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--window", type=float, default=10.0, help="seconds of CPU measured per round")
-    ap.add_argument("--nodes", type=int, nargs="+", default=[100, 1000])
-    ap.add_argument("--quick", action="store_true", help="one round of each, a 3 s window")
+    ap.add_argument("--nodes", type=int, nargs="+", help="agents per job (default 100 1000; --quick: 100)")
+    ap.add_argument("--quick", action="store_true",
+                    help="a smoke run, not a measurement: 100 agents, one round of each, a 1 s window")
     args = ap.parse_args(argv)
+    settle = 3.0
     if args.quick:
-        args.rounds, args.window = 1, 3.0
+        args.rounds, args.window, settle = 1, 1.0, 0.5
+    if args.nodes is None:
+        args.nodes = [100] if args.quick else [100, 1000]
     print(f"machine: {os.cpu_count()} cores, load {os.getloadavg()[0]:.2f}\n")
     print("| agents | progress | CPU (% of a core), min / median / max | per agent | threads | to RUNNING | cancel |")
     print("|---|---|---|---|---|---|---|")
     for nodes in args.nodes:
         for progress in (False, True):
-            rounds = [one_round(nodes, progress, args.window) for _ in range(args.rounds)]
+            rounds = [one_round(nodes, progress, args.window, settle) for _ in range(args.rounds)]
             cpu = sorted(r["cpu"] * 100 for r in rounds)
             med = statistics.median(cpu)
             print(f"| {nodes} | {'each heartbeat' if progress else 'none'} | {cpu[0]:.1f} / {med:.1f} / {cpu[-1]:.1f} "

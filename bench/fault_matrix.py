@@ -34,6 +34,11 @@ and we measure, from the moment of the fault (wall clock):
 
     sudo .venv/bin/python bench/fault_matrix.py                  # every fault once
     sudo .venv/bin/python bench/fault_matrix.py --faults hang,save_crash --rounds 2 --output json
+    sudo .venv/bin/python bench/fault_matrix.py --quick          # rank_crash once, a smoke run
+
+Before the trials the ops the ranks load are built (``helpers_train.prebuild_ops``), so that no trial's timings
+include a build. ``--quick`` is a smoke run (``python -m bench --quick``), not a measurement: ``rank_crash`` only
+(unless ``--faults`` says otherwise), once, without that step (the job's own preflight builds what is missing).
 
 Needs root, openssh-server/-client and iproute2 (as the ssh tests). Prints a markdown table. A trial whose job
 does not end SUCCEEDED keeps its directory (the server's state dir and log, every attempt's logs): its path and
@@ -81,16 +86,23 @@ def _trial(fault: str, net) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--faults", default=",".join(FAULTS), help=f"comma-separated, of {', '.join(FAULTS)}")
+    ap.add_argument("--faults", help=f"comma-separated, of {', '.join(FAULTS)} (default: all; --quick: rank_crash)")
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--output", choices=["table", "json"], default="table")
+    ap.add_argument("--quick", action="store_true",
+                    help="a smoke run, not a measurement: rank_crash once, the ops not built beforehand")
     args = ap.parse_args()
+    if args.faults is None:
+        args.faults = "rank_crash" if args.quick else ",".join(FAULTS)
+    if args.quick:
+        args.rounds = 1
     faults = [f.strip() for f in args.faults.split(",") if f.strip()]
     unknown = [f for f in faults if f not in FAULTS]
     if unknown:
         ap.error(f"unknown fault(s) {unknown}; choose from {FAULTS}")
     nethosts.check_prerequisites()
-    helpers_train.prebuild_ops()
+    if not args.quick:
+        helpers_train.prebuild_ops()
     results = []
     with nethosts.TestNetwork(3) as net:
         for _ in range(args.rounds):
