@@ -23,8 +23,9 @@ trial's network is reset after it (links up, everything killed).
 
 ``--quick`` is a smoke run (``python -m bench --quick``), not a measurement: one round of ``kill_node`` (unless
 ``--faults`` says otherwise) with a 30 s limit (unless ``--limit`` does), on 2 hosts (bench/launch_ssh.py's
-:data:`~bench.launch_ssh.QUICK_HOSTS`; the fault hits host 1), op caches copied from a warm one
-(:func:`bench.launch_ssh.copy_built_ops`) instead of the warm-up runs, which it skips.
+:data:`~bench.launch_ssh.QUICK_HOSTS`; the fault hits host 1), processes counted 1 s after the end
+(:data:`QUICK_AFTER_S`), op caches copied from a warm one (:func:`bench.launch_ssh.copy_built_ops`) instead of the
+warm-up runs, which it skips.
 
     sudo .venv/bin/python bench/failure_detection.py --rounds 3
     sudo .venv/bin/python bench/failure_detection.py --faults kill_node --rounds 1 --limit 30
@@ -58,6 +59,7 @@ SYSTEMS = ("orch", "deepspeed")
 STEP = re.compile(rb"\[train\] step=(\d+) rank=(\d+) ")  # (pdsh prefixes each line with its host)
 TRAIN = [*ARGS[:ARGS.index("--steps")], "--steps", "100000", *ARGS[ARGS.index("--steps") + 2:]]
 AFTER_S = 5.0  # processes are counted this long after the run ended
+QUICK_AFTER_S = 1.0  # ... in a --quick run
 
 
 def _steps(logs: list[Path]) -> dict[int, int]:
@@ -138,8 +140,9 @@ class Trials(Systems):
         else:
             os.kill(_victim_pid(self.net, self.victim), signal.SIGSTOP)
 
-    def trial(self, system: str, fault: str, limit: float) -> dict:
-        """One run of ``system`` with ``fault``: ``{"ended_s": seconds or None, "left": {host: processes}}``."""
+    def trial(self, system: str, fault: str, limit: float, after_s: float = AFTER_S) -> dict:
+        """One run of ``system`` with ``fault``: ``{"ended_s": seconds or None, "left": {host: processes}}``, the
+        processes counted ``after_s`` seconds after the end."""
         proc, logs = self.start(system)
         try:
             deadline = time.monotonic() + 300
@@ -160,7 +163,7 @@ class Trials(Systems):
                     proc.wait(30)
                 except subprocess.TimeoutExpired:
                     pass
-            time.sleep(AFTER_S)
+            time.sleep(after_s)
             return {"ended_s": ended, "left": _left(self.net), "interrupted": ended is None}
         finally:
             try:
@@ -174,7 +177,8 @@ class Trials(Systems):
 def measure(rounds: int, faults: tuple[str, ...], limit: float, log=print,
             quick: bool = False) -> dict[str, dict[str, list[dict]]]:
     """``{fault: {system: [trial results]}}``, the systems alternating within each fault and round (``quick``:
-    on :data:`~bench.launch_ssh.QUICK_HOSTS` hosts, op caches copied from a warm one, no warm-up runs)."""
+    on :data:`~bench.launch_ssh.QUICK_HOSTS` hosts, processes counted :data:`QUICK_AFTER_S` after the end, op caches
+    copied from a warm one, no warm-up runs)."""
     from nethosts import TestNetwork
     out: dict[str, dict[str, list[dict]]] = {f: {s: [] for s in SYSTEMS} for f in faults}
     with tempfile.TemporaryDirectory(prefix="orch-bench-fd-") as work, \
@@ -186,7 +190,7 @@ def measure(rounds: int, faults: tuple[str, ...], limit: float, log=print,
         for i in range(rounds):
             for fault in faults:
                 for system in SYSTEMS:
-                    r = runs.trial(system, fault, limit)
+                    r = runs.trial(system, fault, limit, QUICK_AFTER_S if quick else AFTER_S)
                     out[fault][system].append(r)
                     log(f"round {i + 1} {fault} {system}: ended "
                         f"{'not within %g s' % limit if r['ended_s'] is None else '%.2f s' % r['ended_s']}, "
@@ -194,14 +198,14 @@ def measure(rounds: int, faults: tuple[str, ...], limit: float, log=print,
     return out
 
 
-def table(results: dict[str, dict[str, list[dict]]], limit: float) -> str:
+def table(results: dict[str, dict[str, list[dict]]], limit: float, after_s: float = AFTER_S) -> str:
     """A markdown table: per fault and system, the seconds to the end (median, min-max; how many ended within the
     limit) and the processes left on the faulty host (the last one) and on the others (max over the rounds)."""
     hosts = max((len(t["left"]) for by_system in results.values() for trials in by_system.values() for t in trials),
                 default=HOSTS)
     victim = f"host {hosts - 1}"
     lines = ["| fault | system | run ended after (median; min-max) | ended within the limit | processes left "
-             f"{AFTER_S:g} s after it ended, or after Ctrl-C at the limit: {victim} / other hosts (max) |",
+             f"{after_s:g} s after it ended, or after Ctrl-C at the limit: {victim} / other hosts (max) |",
              "|---|---|---|---|---|"]
     for fault, by_system in results.items():
         for system, trials in by_system.items():
@@ -223,8 +227,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--limit", type=float,
                     help="seconds to wait for a run to end after the fault (default 60; --quick: 30)")
     ap.add_argument("--quick", action="store_true",
-                    help=f"a smoke run, not a measurement: one round of kill_node, limit 30 s, {QUICK_HOSTS} hosts, op "
-                         "caches copied from $TORCH_EXTENSIONS_DIR (else .torch_extensions), no warm-up runs")
+                    help=f"a smoke run, not a measurement: one round of kill_node, limit 30 s, {QUICK_HOSTS} hosts, "
+                         f"processes counted {QUICK_AFTER_S:g} s after the end, op caches copied from "
+                         "$TORCH_EXTENSIONS_DIR (else .torch_extensions), no warm-up runs")
     ap.add_argument("--json", action="store_true", help="print every trial as JSON")
     args = ap.parse_args(argv)
     if args.faults is None:
@@ -236,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         ap.error(f"unknown fault(s) {', '.join(unknown)}; expected some of {', '.join(FAULTS)}")
     results = measure(1 if args.quick else args.rounds, faults, args.limit, quick=args.quick)
-    print(json.dumps(results) if args.json else table(results, args.limit))
+    print(json.dumps(results) if args.json else table(results, args.limit, QUICK_AFTER_S if args.quick else AFTER_S))
     return 0
 
 
