@@ -7,8 +7,14 @@ machine (cores, CPU, memory) and its load, sampled every 5 s for the whole run (
 1-minute load average), since a busy machine skews every figure.
 
     sudo .venv/bin/python -m bench                     # every section, full rounds (about 30-40 minutes here)
-    sudo .venv/bin/python -m bench --quick --out /tmp/b.md   # each section once, small (CI: it must work)
+    sudo .venv/bin/python -m bench --quick --out /tmp/b.md   # a smoke run of every section (CI: it must work)
     .venv/bin/python -m bench --only controller_scale plan_scale
+
+``--quick`` runs each script with its own ``--quick``: one round at its smallest size, every system it compares
+once, no warm-up run that only steadies the figures, so that every code path runs end to end in a few minutes;
+its figures are not measurements. Its sections' ranks use the tests' op cache (``.torch_extensions`` in the checkout, as
+tests/conftest.py does) where ``TORCH_EXTENSIONS_DIR`` is not set, so that they load the ops a test run built
+instead of building them in torch's default cache.
 
 Sections that need root (network namespaces for ssh hosts) are reported as not run without it. A section
 that fails is written down with its exit status and output tail, and the command exits non-zero at the end.
@@ -45,23 +51,22 @@ class Section:
 
 
 SECTIONS = (
-    Section("launch_ssh", "Submit to step 1 on every rank, 3 ssh hosts", ("--rounds", "5"), ("--rounds", "1"), True,
+    Section("launch_ssh", "Submit to step 1 on every rank, 3 ssh hosts", ("--rounds", "5"), ("--quick",), True,
             "orch vs `deepspeed --launcher pdsh` (real pdsh and OpenSSH) vs torchrun on each node vs one bare process."),
-    Section("fast_start", "Forked ranks vs exec'd ranks", ("--rounds", "5"), ("--rounds", "1"),
+    Section("fast_start", "Forked ranks vs exec'd ranks", ("--rounds", "5"), ("--quick",),
             what="orch with fast_start on vs off, the same job on local nodes."),
     Section("metrics_overhead", "Steady-state throughput and scrape time", ("--rounds", "9", "--steps", "300"),
-            ("--rounds", "1", "--steps", "60"),
+            ("--quick",),
             what="orch with metrics on vs off vs DeepSpeed's bare launcher (throughput paired per round); one scrape."),
-    Section("failure_detection", "A fault in real training, 3 ssh hosts", ("--rounds", "3"),
-            ("--rounds", "1", "--faults", "kill_node", "--limit", "30"), True,
+    Section("failure_detection", "A fault in real training, 3 ssh hosts", ("--rounds", "3"), ("--quick",), True,
             what="orch vs `deepspeed --launcher pdsh` (real pdsh and OpenSSH): a node killed, a link cut, a rank "
                  "stopped; how long until the run ends, and the processes left."),
-    Section("recovery_timeline", "Fault to the next attempt's first step", ("--rounds", "5"), ("--rounds", "1"),
+    Section("recovery_timeline", "Fault to the next attempt's first step", ("--rounds", "5"), ("--quick",),
             what="a rank crash, with the restart policy."),
-    Section("universal_where", "Where the universal conversion is cheapest", ("--rounds", "5"), ("--rounds", "1"),
+    Section("universal_where", "Where the universal conversion is cheapest", ("--rounds", "5"), ("--quick",),
             what="ds_to_universal in a fresh Python (the controller) vs forked from a warm one (a node agent)."),
-    Section("fault_matrix", "Detection and recovery per fault, ssh hosts", ("--rounds", "1"),
-            ("--faults", "rank_crash"), True, what="the fault matrix of docs/recovery.md."),
+    Section("fault_matrix", "Detection and recovery per fault, ssh hosts", ("--rounds", "1"), ("--quick",), True,
+            what="the fault matrix of docs/recovery.md."),
     Section("plan_scale", "Planning and listing at scale", (), ("--quick",),
             what="make_plan and `orch plan` at 64/512/4,096 nodes x 8 slots; `orch list` at 1k/10k/100k jobs."),
     Section("controller_scale", "The controller's CPU with 100 and 1,000 agents", ("--rounds", "3"), ("--quick",),
@@ -128,10 +133,13 @@ def run_section(section: Section, quick: bool, timeout: float) -> tuple[str, boo
     script = ROOT / "bench" / f"{section.name}.py"
     if not script.exists():
         return "\n".join(head + [f"Not run: {script.name} is not in this checkout.", ""]), False
+    env = dict(os.environ)
+    if quick:  # the ops the test run built (tests/conftest.py's cache), not builds in torch's default cache
+        env.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".torch_extensions"))
     t0 = time.monotonic()
     try:
-        proc = subprocess.run([sys.executable, str(script), *args], cwd=ROOT, capture_output=True, text=True,
-                              timeout=timeout)
+        proc = subprocess.run([sys.executable, str(script), *args], cwd=ROOT, env=env, capture_output=True,
+                              text=True, timeout=timeout)
         out, code = proc.stdout, proc.returncode
         err = proc.stderr
     except subprocess.TimeoutExpired as exc:
@@ -149,7 +157,9 @@ def run_section(section: Section, quick: bool, timeout: float) -> tuple[str, boo
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="each section once, small sizes (asserts nothing)")
+    ap.add_argument("--quick", action="store_true",
+                    help="a smoke run: each script's --quick (one round, smallest size, every system once; its "
+                         "figures are not measurements)")
     ap.add_argument("--only", nargs="+", metavar="SECTION", choices=[s.name for s in SECTIONS],
                     help="run only these sections: " + ", ".join(s.name for s in SECTIONS))
     ap.add_argument("--out", default=str(ROOT / "docs" / "benchmarks.md"),
@@ -174,6 +184,9 @@ def main(argv: list[str] | None = None) -> int:
               f"Load (1-minute average, min / median / max over the run): {load.stop()}.", "",
               "Every section runs its systems side by side in alternating rounds; what each figure means and its "
               "earlier values are in [bench/README.md](../bench/README.md).", ""]
+    if args.quick:
+        header += ["A smoke run (`--quick`: each script's smallest job, one round, every system once): the figures "
+                   "below show that every benchmark runs, not what it measures.", ""]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text("\n".join(header + parts))
     print(f"[bench] wrote {args.out}" + ("" if ok else " (some sections failed)"), flush=True)
