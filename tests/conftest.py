@@ -26,8 +26,8 @@ GPU_TESTS = ROOT / "tests" / "gpu"
 
 
 #: fixtures that start real hosts (sshd namespaces, Ray, Slurm, MPI): a test using one is marked ``cluster``
-CLUSTER_FIXTURES = frozenset({"net3", "net4", "make_net", "ray3", "ray4", "make_ray", "mpi_net", "mpi_hosts",
-                              "slurm_cluster"})
+CLUSTER_FIXTURES = frozenset({"net3", "net4", "make_net", "ray3", "ray4", "make_ray", "lone_ray", "mpi_net",
+                              "mpi_hosts", "slurm_cluster"})
 #: fixtures that start headless Chromium: a test using one is marked ``browser``
 BROWSER_FIXTURES = frozenset({"browser"})
 
@@ -55,8 +55,8 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 
 
 #: fixtures started once per session that tie the modules using them to one pytest-xdist worker: ``{fixture: group}``
-SHARED_GROUPS = {"ray3": "ray", "ray4": "ray", "make_ray": "ray", "slurm_cluster": "slurm", "mpi_net": "slurm",
-                 "mpi_hosts": "slurm", "zero_run": "zero_runs"}
+SHARED_GROUPS = {"ray3": "ray", "ray4": "ray", "make_ray": "ray", "lone_ray": "ray", "slurm_cluster": "slurm",
+                 "mpi_net": "slurm", "mpi_hosts": "slurm", "zero_run": "zero_runs"}
 #: per-file seconds of the last measured run (``python tests/timing.py run`` writes it), for the order of the groups
 DURATIONS = ROOT / "tests" / "durations.json"
 
@@ -91,8 +91,9 @@ def _schedule_for_xdist(items: list[pytest.Item]) -> None:
     for item in items:
         item.add_marker(pytest.mark.xdist_group(name="g-" + groups[item.nodeid.split("::", 1)[0]].replace("/", ".")))
     order = {item.nodeid: i for i, item in enumerate(items)}
-    items.sort(key=lambda item: (-cost[groups[item.nodeid.split("::", 1)[0]]],
-                                 groups[item.nodeid.split("::", 1)[0]], order[item.nodeid]))
+    lone = {item.nodeid.split("::", 1)[0] for item in items if "lone_ray" in getattr(item, "fixturenames", ())}
+    items.sort(key=lambda item: (-cost[groups[item.nodeid.split("::", 1)[0]]], groups[item.nodeid.split("::", 1)[0]],
+                                 item.nodeid.split("::", 1)[0] in lone, order[item.nodeid]))
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -252,6 +253,15 @@ def cli(*args: str, env: dict[str, str] | None = None, cwd: str | Path | None = 
                                                                                        else env), cwd=cwd)
 
 
+def _forget_process_caches() -> None:
+    """Empty what orch keeps in memory between calls in one process (for its server's dashboard, which polls every
+    second): a real ``orch`` command starts without it, so each in-process call does too."""
+    from orchestrator.observe import checkpoints, views
+    with checkpoints._cache_lock:
+        checkpoints._cache.clear()
+    views._goodput_cache.clear()
+
+
 def run_cli_in_process(argv: list[str], args: tuple[str, ...] | list[str], env: dict[str, str],
                        cwd: str | Path | None = None) -> subprocess.CompletedProcess:
     """``orchestrator.face.cli.main(args)`` in this process with ``env`` as its whole environment (and ``cwd``
@@ -264,6 +274,7 @@ def run_cli_in_process(argv: list[str], args: tuple[str, ...] | list[str], env: 
 
     from orchestrator.face.cli import main
     from orchestrator.face.cli import output
+    _forget_process_caches()
     saved, widths = dict(os.environ), (output.console._width, output.err_console._width)
     out, err = io.StringIO(), io.StringIO()
     here = os.getcwd()
@@ -509,22 +520,54 @@ def _close_ray_cluster(cluster: Any, net: Any) -> None:
         raise AssertionError("; ".join(errors))
 
 
-@pytest.fixture(scope="session")
-def _ray3_session() -> Any:
-    cluster, net = _ray_cluster_on_new_network(3)
-    try:
-        yield cluster
-    finally:
-        _close_ray_cluster(cluster, net)
+class _RayClusters:
+    """The session's shared Ray test clusters by size, started on first use; :meth:`close_all` ends them for a
+    module that needs to be the only Ray cluster on the machine (``lone_ray``): a later module starts them again."""
+
+    def __init__(self) -> None:
+        self.open: dict[int, tuple[Any, Any]] = {}
+
+    def get(self, n_hosts: int) -> Any:
+        if n_hosts not in self.open:
+            self.open[n_hosts] = _ray_cluster_on_new_network(n_hosts)
+        return self.open[n_hosts][0]
+
+    def close_all(self) -> None:
+        errors = []
+        while self.open:
+            _, (cluster, net) = self.open.popitem()
+            try:
+                _close_ray_cluster(cluster, net)
+            except AssertionError as err:
+                errors.append(str(err))
+        if errors:
+            raise AssertionError("; ".join(errors))
 
 
 @pytest.fixture(scope="session")
-def _ray4_session() -> Any:
-    cluster, net = _ray_cluster_on_new_network(4)
+def _ray_sessions() -> Any:
+    clusters = _RayClusters()
     try:
-        yield cluster
+        yield clusters
     finally:
-        _close_ray_cluster(cluster, net)
+        clusters.close_all()
+
+
+@pytest.fixture(scope="module")
+def lone_ray(_ray_sessions: Any) -> None:
+    """No Ray test cluster of this session runs while the module's tests do (``ray.address: auto`` finds every
+    cluster on the machine)."""
+    _ray_sessions.close_all()
+
+
+@pytest.fixture(scope="session")
+def _ray3_session(_ray_sessions: Any) -> Any:
+    return _ray_sessions
+
+
+@pytest.fixture(scope="session")
+def _ray4_session(_ray_sessions: Any) -> Any:
+    return _ray_sessions
 
 
 @pytest.fixture(scope="module")
@@ -532,16 +575,18 @@ def ray3(_ray3_session: Any) -> Any:
     """A Ray cluster on 3 fresh namespace hosts (2 CPUs each; the head has none), started once per session and
     reset after each module; ``ray3.net`` is its network. A test that kills a node or cuts a link should call
     ``ray3.reset()`` when done (links up, dead nodes restarted)."""
-    yield _ray3_session
-    _ray3_session.reset()
+    cluster = _ray3_session.get(3)
+    yield cluster
+    cluster.reset()
 
 
 @pytest.fixture(scope="module")
 def ray4(_ray4_session: Any) -> Any:
     """A Ray cluster on 4 fresh namespace hosts, started once per session and reset after each module (see
     ``ray3``)."""
-    yield _ray4_session
-    _ray4_session.reset()
+    cluster = _ray4_session.get(4)
+    yield cluster
+    cluster.reset()
 
 
 @pytest.fixture()

@@ -21,6 +21,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -175,55 +176,84 @@ _AIO_OPS = ("pin_memory", "async_io")
 _BUILDERS = {"deepspeed_shm_comm": "ShareMemCommBuilder", "cpu_adam": "CPUAdamBuilder", "async_io": "AsyncIOBuilder"}
 #: TORCH_EXTENSIONS_DIRs this process has built (or loaded) the ops in
 _PREBUILT: set[str] = set()
-#: the build :func:`start_prebuild` started and nobody has waited for yet: (process, its stderr file, async_io)
+#: the builds :func:`start_prebuild` started, oldest first, that nobody has waited for yet: (process, its stderr
+#: file, whether it is async_io's)
 _BACKGROUND: list[tuple[subprocess.Popen, Any, bool]] = []
+#: the async_io build waits for the core ops' build to end (both at once would fight over 2 cores), then starts
+_AIO_AFTER: list[threading.Thread] = []
 
 
 def _ops_in_place(ext_dir: str, async_io: bool = False) -> bool:
-    """The ops' libraries are in ``ext_dir`` and no build of any holds its lock."""
+    """The ops' libraries are in ``ext_dir`` and no build of any holds its lock (with ``async_io``: async_io's and
+    pin_memory's alone)."""
     return all((Path(ext_dir) / op / f"{op}.so").is_file() and not (Path(ext_dir) / op / "lock").exists()
-               for op in _OPS + (_AIO_OPS if async_io else ()))
+               for op in (_AIO_OPS if async_io else _OPS))
 
 
 def _build_code(async_io: bool) -> str:
-    names = [_BUILDERS[op] for op in _OPS] + ([_BUILDERS["async_io"]] if async_io else [])
+    names = [_BUILDERS["async_io"]] if async_io else [_BUILDERS[op] for op in _OPS]
     return ("from deepspeed.accelerator import get_accelerator\n"
             f"for n in {tuple(names)!r}:\n"
             "    get_accelerator().create_op_builder(n).load()\n")
 
 
-def start_prebuild(async_io: bool = False) -> subprocess.Popen | None:
-    """Start :func:`prebuild_ops`'s build in the background (tests/conftest.py does when a session collects tests
-    that need the ops, so minutes of compiling on a fresh cache overlap the tests that need none); returns the
-    process, or None when the ops are built already. The next :func:`prebuild_ops` waits for it."""
-    ext_dir = os.environ.get("TORCH_EXTENSIONS_DIR", "")
-    if _BACKGROUND or (ext_dir and _ops_in_place(ext_dir, async_io)):
-        return None
+def _spawn(async_io: bool) -> None:
     import tempfile
     err = tempfile.TemporaryFile()
     proc = subprocess.Popen([sys.executable, "-c", _build_code(async_io)], env=base_env(), stdout=subprocess.DEVNULL,
                             stderr=err, start_new_session=True)
     _BACKGROUND.append((proc, err, async_io))
-    return proc
 
 
-def finish_prebuild(timeout: float = 1800) -> None:
-    """Wait for the background build, if one runs (a build stopped midway would leave its lock for every later
-    rank to wait on: it is let finish). Raises ``subprocess.CalledProcessError`` with its stderr if it failed."""
-    while _BACKGROUND:
-        proc, err, async_io = _BACKGROUND.pop()
+def start_prebuild(async_io: bool = False) -> None:
+    """Start :func:`prebuild_ops`'s build in the background (tests/conftest.py does when a session collects tests
+    that need the ops, so minutes of compiling on a fresh cache overlap the tests that need none): the comm and
+    Adam ops first, then, with ``async_io``, DeepSpeed's async_io op. Nothing for what is built already. The next
+    :func:`prebuild_ops` waits for the build it needs, and only for that one."""
+    ext_dir = os.environ.get("TORCH_EXTENSIONS_DIR", "")
+    if _BACKGROUND or _AIO_AFTER:
+        return
+    core = not (ext_dir and _ops_in_place(ext_dir))
+    aio = async_io and not (ext_dir and _ops_in_place(ext_dir, async_io=True))
+    if core:
+        _spawn(False)
+    if aio and not core:
+        _spawn(True)
+    elif aio:
+        first = _BACKGROUND[-1][0]
+
+        def after() -> None:
+            first.wait()
+            _spawn(True)
+        thread = threading.Thread(target=after, name="async_io prebuild", daemon=True)
+        thread.start()
+        _AIO_AFTER.append(thread)
+
+
+def finish_prebuild(timeout: float = 1800, async_io: bool = True) -> None:
+    """Wait for the background builds (only the comm and Adam ops' without ``async_io``); a build stopped midway
+    would leave its lock for every later rank to wait on, so none is stopped. Raises
+    ``subprocess.CalledProcessError`` with its stderr if one failed."""
+    deadline = time.monotonic() + timeout
+    if async_io:
+        for thread in _AIO_AFTER:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        _AIO_AFTER[:] = [t for t in _AIO_AFTER if t.is_alive()]
+    for entry in [e for e in _BACKGROUND if async_io or not e[2]]:
+        proc, err, aio = entry
         try:
-            code = proc.wait(timeout)
+            code = proc.wait(max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             raise AssertionError(f"the background build of DeepSpeed's ops did not finish within {timeout:.0f} s "
                                  f"(pid {proc.pid})") from None
+        _BACKGROUND.remove(entry)
         err.seek(0)
         text = err.read().decode(errors="replace")
         err.close()
         if code != 0:
             raise subprocess.CalledProcessError(code, proc.args, stderr=text)
         ext_dir = os.environ.get("TORCH_EXTENSIONS_DIR", "")
-        if ext_dir and not async_io:
+        if ext_dir and not aio:
             _PREBUILT.add(ext_dir)
 
 
@@ -232,23 +262,24 @@ def prebuild_ops(timeout: float = 900, async_io: bool = False) -> None:
 
     ``deepspeed_shm_comm`` is loaded by every rank when DeepSpeed's torch backend starts on the
     CPU accelerator; ``cpu_adam`` by optimizer offload; with ``async_io``, DeepSpeed's async_io op
-    (NVMe offload: minutes of build on 2 cores), which an ops check of a node with libaio then
-    finds built. Building takes ~1 min each on 2 cores; loading a cached build takes seconds (a
-    Python with torch and DeepSpeed imported: 3-5 s), so once this process has built or loaded them
-    in a TORCH_EXTENSIONS_DIR whose libraries are still there and unlocked, later calls (every
-    integration module makes one) return at once. A build :func:`start_prebuild` started is waited
-    for first.
+    (NVMe offload: minutes of build on 2 cores; its load builds pin_memory first), which an ops check
+    of a node with libaio then finds built. Building takes ~1 min each on 2 cores; loading a cached
+    build takes seconds (a Python with torch and DeepSpeed imported: 3-5 s), so once this process
+    has built or loaded them in a TORCH_EXTENSIONS_DIR whose libraries are still there and unlocked,
+    later calls (every integration module makes one) return at once. A build :func:`start_prebuild`
+    started is waited for first.
     """
-    finish_prebuild(timeout=max(timeout, 1800))
+    finish_prebuild(timeout=max(timeout, 1800), async_io=async_io)
     ext_dir = os.environ.get("TORCH_EXTENSIONS_DIR", "")
-    if ext_dir and (ext_dir in _PREBUILT or async_io) and _ops_in_place(ext_dir, async_io):
-        _PREBUILT.add(ext_dir)
-        return
-    subprocess.run([sys.executable, "-c", _build_code(async_io)], env=base_env(), check=True,
-                   timeout=max(timeout, 1800) if async_io else timeout,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    if ext_dir:
-        _PREBUILT.add(ext_dir)
+    for aio in ((False, True) if async_io else (False,)):
+        if ext_dir and (ext_dir in _PREBUILT or aio) and _ops_in_place(ext_dir, aio):
+            _PREBUILT.add(ext_dir)
+            continue
+        subprocess.run([sys.executable, "-c", _build_code(aio)], env=base_env(), check=True,
+                       timeout=max(timeout, 1800) if aio else timeout,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        if ext_dir and not aio:
+            _PREBUILT.add(ext_dir)
 
 
 def _main() -> int:

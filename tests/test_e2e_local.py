@@ -477,6 +477,27 @@ def test_cli_edges(orch, tmp_path) -> None:
     assert json.loads(orch("-o", "json", "list").stdout) == []  # options also before the command
 
 
+def test_read_commands_as_real_processes_answer_as_the_in_process_entry_does(orch, write_spec, hostfile) -> None:
+    """The tests run orch's read-only commands (plan, list, status, logs, resume --dry-run) through the CLI's entry
+    in their own process (tests/conftest.py ``Orch``); here each is also a real ``python -m orchestrator``
+    process: the same exit status, output and errors, table and JSON, for a good and a refused request."""
+    spec = write_spec(**spec_fields(hostfile("node-0 slots=1\nnode-1 slots=1\n"), WORKER_STEPS="3",
+                                    WORKER_FAIL_RANK="1", WORKER_FAIL_AT="2"))
+    assert orch("run", str(spec), timeout=120).returncode == 1
+    (job,) = orch.json("list")
+    calls = [("plan", str(spec)), ("-o", "json", "plan", str(spec)), ("list",), ("-o", "json", "list"),
+             ("status", job["id"]), ("-o", "json", "status", job["id"]), ("logs", job["id"]),
+             ("logs", job["id"], "--rank", "1", "--tail", "2"), ("resume", job["id"], "--dry-run"),
+             ("status", "no-such-job"), ("logs", job["id"], "--rank", "7"), ("plan", "--no-such-option")]
+    ages = re.compile(r"\b\d+(?:\.\d+)?(?:s|m|h|d) ago\b")  # (the two calls may be a second apart)
+    for args in calls:
+        inside, real = orch(*args), orch(*args, subprocess_=True)
+        assert (inside.returncode, ages.sub("AGE ago", inside.stdout), inside.stderr) == \
+            (real.returncode, ages.sub("AGE ago", real.stdout), real.stderr), args
+        assert "Traceback" not in real.stdout + real.stderr, args
+    assert [orch(*args).returncode for args in calls[-3:]] == [2, 2, 2]
+
+
 def test_resume_excluding_a_host_uses_a_spare(orch, write_spec, hostfile) -> None:
     hosts = hostfile("node-0 slots=1\nnode-1 slots=1\nnode-2 slots=1\n")
     spec = write_spec(**spec_fields(hosts, WORKER_STEPS="3", WORKER_FAIL_RANK="0", WORKER_FAIL_AT="2"),

@@ -348,7 +348,14 @@ def test_lost_node_resumes_on_a_spare(orch, write_spec, hostfile, site, tmp_path
               f"on {spare_nodes}: {len(both) - len(differ)}/{len(both)} overlapping losses identical")
         assert differ == [], differ[:5]
         for tag_ in (f"step_{s}" for s in range(interval, steps + 1, interval)):
-            assert inspect_tag(ckpt / tag_).complete, tag_
+            info_ = inspect_tag(ckpt / tag_)
+            assert info_.complete, (tag_, info_.problems)
+            assert (info_.zero_stage, info_.world_size, info_.step) == (2, 3, int(tag_[5:]))
+        for attempt_dir in (run_dir, Path(done["run_dir"])):  # ZeRO-2 across the 3 hosts, rank i on node i
+            for rank in range(3):
+                log = (attempt_dir / "logs" / f"rank-{rank}.log").read_text()
+                setup = next(line for line in log.splitlines() if line.startswith("[setup]"))
+                assert " zero_stage=2 " in setup and " world_size=3 " in setup and f" node_rank={rank} " in setup
     assert_no_leftovers(job_id, timeout=1)
     site.assert_clean(job_id)
 

@@ -5,7 +5,7 @@ does not name it), orch joins it with the token it finds, and without the token 
 cluster wants one, at once, instead of Ray's 20 s of ``InvalidAuthToken`` and "Failed to connect".
 
 Its own module: ``auto`` finds every cluster running on this machine, so no other test cluster
-(``ray4`` of test_ray.py) may run beside this one.
+(``ray4`` of test_ray.py) may run beside this one: ``lone_ray`` ends the session's shared ones first.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import pytest
 from conftest import SCRIPTS, assert_no_leftovers
 from test_ray_local import _ray_processes, _sessions
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("lone_ray")]  # the only Ray cluster here
 
 WORKER = str(SCRIPTS / "worker.py")
 

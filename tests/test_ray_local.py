@@ -13,7 +13,7 @@ import pytest
 
 from conftest import SCRIPTS, assert_no_leftovers
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("lone_ray")]  # the only Ray cluster here
 
 WORKER = str(SCRIPTS / "worker.py")
 

@@ -85,8 +85,12 @@ def test_queued_behind_a_busy_cluster_then_trains_and_releases(slurm_cluster, or
         time.sleep(3)  # it stays queued while the blocker runs
         detail = orch.json("status", job_id)
         assert detail["state"] == "PENDING" and _squeue(slurm_cluster)[name][1] == "PENDING", detail
+        # Slurm says "None" until its scheduler has looked at the job (seen on a loaded machine), then why it waits
+        detail = wait_for(lambda: (lambda d: d if d["allocation"]["reason"] != "None" else None)(
+            orch.json("status", job_id)), 30, "Slurm's reason for the wait")
         alloc = detail["allocation"]
-        assert alloc["state"] == "PENDING" and alloc["reason"] in ("Resources", "Priority"), alloc
+        assert detail["state"] == "PENDING" and alloc["state"] == "PENDING", alloc
+        assert alloc["reason"] in ("Resources", "Priority"), alloc
         assert alloc["slurm_job"] == _squeue(slurm_cluster)[name][0]
         text = orch("status", job_id).stdout
         assert f"waiting for Slurm: Slurm job {alloc['slurm_job']} PENDING ({alloc['reason']})" in text, text
