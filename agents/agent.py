@@ -296,7 +296,7 @@ class Agent:
         server, why, job_wide = open_server(
             self.fast_start, [r["argv"] for r in self.node["ranks"]], envs, self.node["workdir"],
             os.path.join(self.node["log_dir"], f"forkserver-node{self.node['node_rank']}.log"),
-            launcher=self._launcher_name, native=bool(self.native), warm=warm)
+            launcher=self._launcher_name, native=bool(self.native), warm=warm, kept=self.keep_warm_s > 0)
         self.template = server if self.keep_warm_s > 0 and server is not None else None
         if why and self.fast_start == "on":
             return self._spawn_failed(f"fast_start on: the ranks cannot be forked on {self.node['host']}: {why}")

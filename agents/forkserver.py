@@ -413,9 +413,16 @@ class ForkedRank(RankProcess):
             pass
 
 
+#: why ``auto`` execs a node's only rank when no template would be kept: a template imports what that rank would
+#: import and more (torch._dynamo, both ZeRO optimizers, the Muon module), so forking one rank from it costs more
+#: than starting it (docs/fast_start.md; bench/fast_start.py's 2 nodes x 1 slot)
+ONE_RANK = ("one rank on this node and no later attempt or job keeps its template (no restart policy, no "
+            "--keep-warm): a template would cost more than the rank's own start")
+
+
 def open_server(mode: str, argvs: Sequence[Sequence[str]], envs: Sequence[Mapping[str, str]], cwd: str,
                 log_path: str, *, launcher: str | None = None, native: bool = False,
-                warm: ForkServer | None = None) -> tuple[ForkServer | None, str | None, bool]:
+                warm: ForkServer | None = None, kept: bool = False) -> tuple[ForkServer | None, str | None, bool]:
     """Decide how one node's ranks start, and start its template when they are to be forked.
 
     Args:
@@ -426,6 +433,8 @@ def open_server(mode: str, argvs: Sequence[Sequence[str]], envs: Sequence[Mappin
         launcher: the plan's launcher name; native: whether the real launcher starts the ranks.
         warm: the template an earlier attempt on this node kept: it serves these ranks if it can
             (:meth:`ForkServer.serves`); else it is closed here (before any new one starts), whatever is returned.
+        kept: a template started now would be kept for a later attempt or job (the agent's ``keep_warm_s``);
+            without it, ``auto`` starts a node's only rank as a new process (:data:`ONE_RANK`).
 
     Returns:
         ``(server, None, _)``: fork the ranks from ``server``; ``(None, None, _)``: exec them (mode off);
@@ -451,6 +460,8 @@ def open_server(mode: str, argvs: Sequence[Sequence[str]], envs: Sequence[Mappin
         warm.close()  # (before a new template imports: two never hold the node's memory at once)
     if plan is None:
         return None, why, job_wide
+    if mode == "auto" and len(argvs) == 1 and not kept:
+        return None, ONE_RANK, False
     server = ForkServer(plan, log_path)
     why = server.start()
     return (server, None, False) if why is None else (None, why, False)

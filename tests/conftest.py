@@ -56,7 +56,8 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 
 #: fixtures started once per session that tie the modules using them to one pytest-xdist worker: ``{fixture: group}``
 SHARED_GROUPS = {"ray3": "ray", "ray4": "ray", "make_ray": "ray", "lone_ray": "ray", "slurm_cluster": "slurm",
-                 "mpi_net": "slurm", "mpi_hosts": "slurm", "zero_run": "zero_runs"}
+                 "mpi_net": "slurm", "mpi_hosts": "slurm", "zero_run": "zero_runs",
+                 "site": "ray"}  # (test_provisioners' site: net4 or ray4, asked for by name)
 #: per-file seconds of the last measured run (``python tests/timing.py run`` writes it), for the order of the groups
 DURATIONS = ROOT / "tests" / "durations.json"
 
@@ -230,20 +231,21 @@ def assert_no_leftovers(job_id: str, timeout: float = 10.0) -> None:
         time.sleep(0.1)
 
 
-#: commands that only read the store or files (never a follow, never a job started): run in-process by :class:`Orch`
-READ_ONLY = ("plan", "list", "status", "logs")
+#: commands that start no job and no process (they read the store or files; export writes one file from a
+#: checkpoint), never with a follow: :class:`Orch` runs them through the CLI's entry in-process
+IN_PROCESS = ("plan", "list", "status", "logs", "export")
 #: options of ``orch`` itself that take a value, before the command's name (orchestrator/face/cli/app.py)
 TOP_VALUED = ("--state-dir", "--output", "-o", "--server", "--token-file")
 
 
 def reads_only(args: tuple[str, ...] | list[str]) -> bool:
-    """The command only reads (:data:`READ_ONLY`, ``resume --dry-run``) and follows nothing (``--follow``)."""
+    """The command starts nothing (:data:`IN_PROCESS`, ``resume --dry-run``) and follows nothing (``--follow``)."""
     rest = list(args)
     while rest and rest[0].startswith("-"):
         rest = rest[2:] if rest[0] in TOP_VALUED else rest[1:]
     if not rest or "--follow" in rest or "-f" in rest:
         return False
-    return rest[0] in READ_ONLY or (rest[0] == "resume" and "--dry-run" in rest)
+    return rest[0] in IN_PROCESS or (rest[0] == "resume" and "--dry-run" in rest)
 
 
 def cli(*args: str, env: dict[str, str] | None = None, cwd: str | Path | None = None) -> subprocess.CompletedProcess:
@@ -675,7 +677,7 @@ def browser(_browser_session):
     driver = _browser_session
     yield driver
     driver.get("about:blank")
-    driver.delete_all_cookies()
+    driver.execute_cdp_cmd("Network.clearBrowserCookies", {})  # every site's (delete_all_cookies: the page's only)
     driver.set_window_size(1280, 900)
     driver.get_log("browser")  # (reading the log empties it)
 

@@ -24,7 +24,8 @@ Not a claim (a setting, a formula or a shape, never a result), by these rules on
   is no knob: "``make_plan`` 140 ms" stays a claim.
 
 A paragraph with at least one claim passes only if it names a bench command (``bench/<file>.py`` of a file
-that exists, or ``python -m bench``) or says "not measured". The test lists every offender at once.
+that exists, or ``python -m bench``), the suite's own timer (``tests/timing.py``, for docs/testing.md), or says
+"not measured". The test lists every offender at once.
 
 A **statement about another tool's behaviour** (issue 21, point 1) is, narrowly: one of DeepSpeed (or "the
 runner", a `` `deepspeed ...` `` run, ``launch.py``), pdsh, torchrun, `` `accelerate launch` ``/Accelerate,
@@ -135,9 +136,10 @@ def claims(text: str) -> list[str]:
 
 
 def cites_source(text: str, bench_dir: Path = ROOT / "bench") -> bool:
-    """Whether ``text`` names an existing bench script, ``python -m bench``, or says "not measured"."""
+    """Whether ``text`` names an existing bench script, ``python -m bench``, tests/timing.py (the suite's own
+    seconds: docs/testing.md), or says "not measured"."""
     flat = " ".join(text.split())
-    if "python -m bench" in flat or "not measured" in flat.lower():
+    if "python -m bench" in flat or "tests/timing.py" in flat or "not measured" in flat.lower():
         return True
     return any((bench_dir / f"{m.group(1)}.py").exists() for m in BENCH_FILE.finditer(flat))
 
@@ -247,6 +249,7 @@ def test_a_paragraph_passes_with_an_existing_bench_script_python_m_bench_or_not_
     assert not cites_source("see [bench/README.md](bench/README.md)", tmp_path)
     assert cites_source("written by `python -m bench`", tmp_path)
     assert cites_source("Not measured by a bench command: from a test run", tmp_path)
+    assert cites_source("the suite's seconds (`python tests/timing.py run`)", tmp_path)
     doc = tmp_path / "d.md"
     doc.write_text("Took 3 s.\n\nTook 4 s (`bench/real.py`).\n\nNot a figure: 3 steps.\n")
     assert [o.paragraph.line for o in offenders([doc], tmp_path)] == [1]

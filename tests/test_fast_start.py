@@ -226,3 +226,27 @@ def test_the_template_plan_says_why_a_node_s_ranks_cannot_be_forked(tmp_path) ->
         with pytest.raises(ValueError, match=re.escape(words)) as err:
             plan_template(argvs, env, str(tmp_path), launcher)
         assert isinstance(err.value, NodeReason) == node_only, words
+
+
+def test_auto_starts_a_node_s_only_rank_as_a_new_process_unless_its_template_is_kept(tmp_path, monkeypatch) -> None:
+    """agents.forkserver.open_server: with one rank on the node and nothing to keep the template for, auto execs
+    it and says why (a template imports more than the rank would), starting nothing; two ranks, or a template kept
+    (``kept``), go on to start the template (its start is stubbed here)."""
+    from agents import forkserver
+    monkeypatch.setattr(forkserver, "_is_subreaper", lambda: True)  # (as an agent is; this test process is not)
+    py = sys.executable
+    (tmp_path / "train.py").write_text("import os, torch\n")
+    one = [[py, "-u", "train.py", "--local_rank=0"]]
+    server, why, job_wide = forkserver.open_server("auto", one, [{}], str(tmp_path), str(tmp_path / "t.log"))
+    assert server is None and why == forkserver.ONE_RANK and not job_wide
+    assert "one rank on this node" in why and "no restart policy, no --keep-warm" in why
+    assert not (tmp_path / "t.log").exists()
+    # what auto would fork from instead: the same plan, which two ranks (or a kept template) are started with
+    two = [*one, [py, "-u", "train.py", "--local_rank=1"]]
+    assert len(forkserver.plan_template(two, [{}, {}], str(tmp_path)).mains) == 2
+    started = []
+    monkeypatch.setattr(forkserver.ForkServer, "start", lambda self: started.append(len(self.plan.mains)) or "not here")
+    for argvs, kept in ((two, False), (one, True)):
+        assert forkserver.open_server("auto", argvs, [{}] * len(argvs), str(tmp_path), str(tmp_path / "t.log"),
+                                      kept=kept) == (None, "not here", False)
+    assert started == [2, 1]

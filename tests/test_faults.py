@@ -22,6 +22,7 @@ TINY = ["--n-layer", "1", "--d-model", "32", "--n-head", "2", "--seq-len", "32",
         "--log-interval", "0", "--checkpoint-interval", "0"]
 
 
+@pytest.mark.timing  # a 0.5 s hang_timeout: another test's load beside it could make a step look hung
 def test_twenty_jobs_that_end_right_after_their_last_step_all_succeed(orch, server, write_spec, hostfile) -> None:
     """hang_timeout 0.5 s, and after its last step every rank spends 2 s in an atexit handler (an upload
     at exit): the watchdog fires in that time, the stacks show the ranks exiting, and they get more time."""

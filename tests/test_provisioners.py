@@ -161,8 +161,9 @@ def test_each_host_runs_its_agent_and_its_rank_to_the_end(orch, write_spec, host
 
 # --------------------------------------------------------------------------- node loss
 
-@pytest.mark.timing
-@pytest.mark.parametrize("fault", ["kill_host", "cut_link"])
+# a killed host is seen at once (its connections reset); a cut link only by its missed heartbeats, within a few
+# seconds of the bound asserted: that one runs alone (the timing tier, docs/testing.md)
+@pytest.mark.parametrize("fault", ["kill_host", pytest.param("cut_link", marks=pytest.mark.timing)])
 def test_node_loss_mid_run_fails_fast_and_leaves_nothing(orch, write_spec, hostfile, site, fault) -> None:
     lease, victim = 5, 1
     net = site.net

@@ -32,7 +32,6 @@ def _env(home: Path) -> dict[str, str]:
     return env
 
 
-@pytest.mark.timing
 def test_auto_finds_a_token_cluster_and_joins_it_with_the_token(orch, write_spec, make_ray, tmp_path) -> None:
     token = secrets.token_hex(32)
     cluster = make_ray(1, env={"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token})

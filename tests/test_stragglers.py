@@ -214,11 +214,11 @@ def test_a_rank_slowed_on_purpose_is_named_within_the_window(orch, write_spec, h
 @pytest.mark.timing
 def test_even_jobs_raise_no_straggler(orch, write_spec, hostfile) -> None:
     helpers_train.prebuild_ops()
-    # 6 jobs x 80 steps: 426 windows of 10 steps per rank in which an even rank could be flagged (20 jobs x 25
-    # steps gave 320, and spent most of their time starting)
-    runs, events = 6, []
+    # 3 jobs x 160 steps: 453 windows of 10 steps per rank in which an even rank could be flagged (6 jobs x 80
+    # steps gave 426, 20 x 25 gave 320, each spending most of its time starting)
+    runs, events = 3, []
     for i in range(runs):
-        spec = _spec(write_spec, hostfile, f"even{i}", 80, [], {"window_steps": 10}, fast_start="on")
+        spec = _spec(write_spec, hostfile, f"even{i}", 160, [], {"window_steps": 10}, fast_start="on")
         r = orch("run", str(spec), timeout=600)
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     jobs = orch.json("list")

@@ -61,6 +61,8 @@ def test_the_next_job_takes_the_agents_and_templates_of_the_last(orch, write_spe
         up = _agents(orch, first)
         assert {h: a["kind"] for h, a in up.items()} == {"node-0": "agent_up", "node-1": "agent_up"}
         templates = {h: n["template"] for h, n in _started(orch, first).items()}
+        # (written once the job's agents are kept, which follows its SUCCEEDED)
+        wait_for(lambda: (orch.state_dir / "warm-agents.json").exists(), 30, "the record of the kept agents")
         record = json.loads((orch.state_dir / "warm-agents.json").read_text())
         assert set(record["pids"]) == {a["pid"] for a in up.values()} | set(templates.values())
 

@@ -318,7 +318,8 @@ def test_an_unknown_job_and_a_stopped_server_are_reported(server, browser) -> No
     proc, url = server
     driver = browser
     driver.get(f"{url}/#/jobs/no-such-job")
-    wait_for(lambda: driver.find_element("id", "job-missing").is_displayed(), 10, "the unknown-job notice")
+    wait_for(lambda: any(e.is_displayed() for e in driver.find_elements("id", "job-missing")), 10,
+             "the unknown-job notice")
     assert "No job 'no-such-job'" in driver.find_element("id", "job-missing").text
     assert not driver.find_element("id", "job-body").is_displayed()
     driver.find_element("css selector", "#job-header a[href='#/']").click()
@@ -326,7 +327,8 @@ def test_an_unknown_job_and_a_stopped_server_are_reported(server, browser) -> No
     assert not driver.find_element("id", "conn-lost").is_displayed()
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(60) == 0
-    wait_for(lambda: driver.find_element("id", "conn-lost").is_displayed(), 15, "the connection-lost notice")
+    wait_for(lambda: any(e.is_displayed() for e in driver.find_elements("id", "conn-lost")), 15,
+             "the connection-lost notice")
     assert "connection lost" in driver.find_element("id", "conn-lost").text
     assert len(driver.find_elements("css selector", "tr.job-row")) == 2  # what was shown stays
 
