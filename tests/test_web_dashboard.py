@@ -28,6 +28,9 @@ import helpers_train
 pytestmark = pytest.mark.integration
 
 EXAMPLES = ROOT / "examples"
+#: seconds a page is given to show what was already there to show: Chromium renders on the cores the other xdist
+#: worker's ranks load (10 s was seen to be too few there)
+UI_WAIT_S = 30
 TINY = ["--n-layer", "1", "--d-model", "32", "--n-head", "2", "--seq-len", "32", "--corpus-bytes", "200000",
         "--log-interval", "0"]
 # 40-60 steps/s here once started: 25-40 s of training after a 10-40 s DeepSpeed start-up
@@ -136,20 +139,20 @@ def test_a_training_job_is_followed_live(server, browser, orch_m, write_spec, ho
     driver = browser
     driver.get(proc.login_url)  # the URL orch server printed: its cookie, then the dashboard
     assert driver.current_url == f"{url}/" and "token" not in driver.current_url
-    wait_for(lambda: re.fullmatch(r"updated \d\d:\d\d:\d\d", driver.find_element("id", "updated").text), 10,
+    wait_for(lambda: re.fullmatch(r"updated \d\d:\d\d:\d\d", driver.find_element("id", "updated").text), UI_WAIT_S,
              "the first refresh")
     _js(driver, "window.__not_reloaded = true;")
 
     t0 = time.monotonic()
     job_id = orch_m.json("submit", str(_spec(write_spec, hostfile, "web-train")), check=True)["id"]
     # the job appears in the list without a reload
-    row = wait_for(lambda: driver.find_elements("css selector", f'tr.job-row[data-job-id="{job_id}"]'), 10,
+    row = wait_for(lambda: driver.find_elements("css selector", f'tr.job-row[data-job-id="{job_id}"]'), UI_WAIT_S,
                    "the job in the list")[0]
     assert _js(driver, "return window.__not_reloaded === true")
     assert row.find_element("css selector", "td.job-name").text == "web-train"
     row.click()
-    wait_for(lambda: driver.current_url.endswith(f"#/jobs/{job_id}"), 5, "the job's URL")
-    wait_for(lambda: driver.find_element("id", "job-body").is_displayed(), 10, "the job's page")
+    wait_for(lambda: driver.current_url.endswith(f"#/jobs/{job_id}"), UI_WAIT_S, "the job's URL")
+    wait_for(lambda: driver.find_element("id", "job-body").is_displayed(), UI_WAIT_S, "the job's page")
     assert not driver.find_element("id", "jobs-view").is_displayed()
 
     # its ranks run: both listed as running, on two nodes
@@ -182,7 +185,7 @@ def test_a_training_job_is_followed_live(server, browser, orch_m, write_spec, ho
     assert ticks >= 4
     assert driver.find_element("id", "chart-attempt").get_attribute("value") == "1"
     # the log tail of rank 0 (the default) refreshes with its training lines
-    wait_for(lambda: "[train] step=" in driver.find_element("id", "log-tail").text, 10, "rank 0's log lines")
+    wait_for(lambda: "[train] step=" in driver.find_element("id", "log-tail").text, UI_WAIT_S, "rank 0's log lines")
     assert driver.find_element("id", "log-tail").get_attribute("data-rank") == "0"
     assert _js(driver, "return window.__not_reloaded === true")
     print(f"loss points per rank grew from {first} to {grown}")
@@ -204,16 +207,16 @@ def test_a_training_job_is_followed_live(server, browser, orch_m, write_spec, ho
     print(f"job list while running: {listed}")
     _screenshot(driver, f"dashboard-list-running-{job_id}.png")
     _js(driver, f"location.hash = '#/jobs/{job_id}';")
-    wait_for(lambda: driver.find_element("id", "job-body").is_displayed(), 10, "the job's page again")
+    wait_for(lambda: driver.find_element("id", "job-body").is_displayed(), UI_WAIT_S, "the job's page again")
 
     # it ends: the page follows to SUCCEEDED with every step shown, still without a reload
     wait_for(lambda: _js(driver, JOB_STATE_JS) == "SUCCEEDED", 240, "SUCCEEDED on the page", interval=0.5)
     print(f"trained {time.monotonic() - t_points:.1f} s after the first points; "
           f"SUCCEEDED {time.monotonic() - t0:.1f} s after submit")
     wait_for(lambda: [(r["state"], r["step"]) for r in _js(driver, RANKS_JS)] ==
-             [("exited", str(STEPS)), ("exited", str(STEPS))], 10, "both ranks exited at the last step")
+             [("exited", str(STEPS)), ("exited", str(STEPS))], UI_WAIT_S, "both ranks exited at the last step")
     api = orch_m.http().get(f"{url}/api/jobs/{job_id}/progress").json()
-    wait_for(lambda: sum(_js(driver, SERIES_JS, "svg#loss-chart").values()) == len(api["points"]), 5,
+    wait_for(lambda: sum(_js(driver, SERIES_JS, "svg#loss-chart").values()) == len(api["points"]), UI_WAIT_S,
              "every reported point on the chart")
     points = _js(driver, SERIES_JS, "svg#loss-chart")
     print(f"loss points per rank at the end: {points}")
@@ -225,7 +228,8 @@ def test_a_training_job_is_followed_live(server, browser, orch_m, write_spec, ho
     assert _severe_console_errors(driver) == []
     # back in the list, the finished job shows its last step and rank 0's final loss, no rate or ETA
     _js(driver, "location.hash = '#/';")
-    done = wait_for(lambda: _job_row(driver, job_id, lambda r: r["state"] == "SUCCEEDED"), 10, "SUCCEEDED in the list")
+    done = wait_for(lambda: _job_row(driver, job_id, lambda r: r["state"] == "SUCCEEDED"), UI_WAIT_S,
+                    "SUCCEEDED in the list")
     final_step, final_loss = _last_reported(orch_m, url, job_id)
     assert final_step == STEPS and done["step"] == f"{STEPS} / {STEPS}" and done["bar"] == "100%", done
     assert done["loss"] == f"{final_loss:.4f}" and done["rate"] == "–" and done["eta"] == "–", (done, final_loss)
@@ -269,7 +273,7 @@ def test_a_failed_job_shows_its_cause_and_the_failed_ranks_log(server, browser, 
     (step,) = driver.find_elements("css selector", "#job-header .next-step")
     assert step.text.startswith(f"next: resume from the last complete checkpoint: orch resume {job_id}"), step.text
     cause = wait_for(lambda: driver.find_elements("css selector",
-                                                  '#attempts-table tr.attempt[data-attempt="1"] .cause'), 10,
+                                                  '#attempts-table tr.attempt[data-attempt="1"] .cause'), UI_WAIT_S,
                      "the attempt's cause")[0]
     message = cause.find_element("css selector", ".cause-message").text
     assert re.search(r"rank 1 \(local rank 0\) on node-1 \(node 1\) exited with exit code 1", message), message
@@ -278,17 +282,18 @@ def test_a_failed_job_shows_its_cause_and_the_failed_ranks_log(server, browser, 
     tail = driver.find_element("css selector", '#attempts-table tr.attempt-tail[data-attempt="1"] pre')
     assert "failing on purpose after step 30 on rank 1" in tail.get_attribute("textContent")
     # the ranks: rank 1 failed, rank 0 was stopped by orch
-    wait_for(lambda: [r["state"] for r in _js(driver, RANKS_JS)] == ["stopped", "failed"], 10,
+    wait_for(lambda: [r["state"] for r in _js(driver, RANKS_JS)] == ["stopped", "failed"], UI_WAIT_S,
              "rank states after the failure")
     # the log panel shows the failed rank's log (chosen by default)
     wait_for(lambda: driver.find_element("id", "log-tail").get_attribute("data-rank") == "1"
-             and "failing on purpose" in driver.find_element("id", "log-tail").text, 10, "rank 1's log tail")
+             and "failing on purpose" in driver.find_element("id", "log-tail").text, UI_WAIT_S, "rank 1's log tail")
     log = driver.find_element("id", "log-tail").text
     assert re.search(r"^\[train\] step=\d+ rank=1 ", log, re.MULTILINE) and not re.search(r"\brank=0 ", log), log
     assert driver.find_element("id", "log-rank").get_attribute("value") == "1"
     # its checkpoints: every tag saved, newest first, the newest complete one marked as the next resume's
     rows = wait_for(lambda: _js(driver, "return [...document.querySelectorAll('#checkpoints-table tr.checkpoint-row')]"
-                                        ".map(r => [r.dataset.tag, r.dataset.state])"), 10, "the checkpoints panel")
+                                        ".map(r => [r.dataset.tag, r.dataset.state])"), UI_WAIT_S,
+                    "the checkpoints panel")
     api = orch_m.json("status", job_id)["checkpoints"]
     assert rows == [[c["tag"], "next resume" if c["tag"] == api["next_resume"] else "complete" if c["complete"]
                      else "skipped"] for c in api["checkpoints"]]
@@ -299,7 +304,7 @@ def test_a_failed_job_shows_its_cause_and_the_failed_ranks_log(server, browser, 
 
     # back to the list: both jobs, the failed one with its cause
     driver.find_element("id", "home").click()
-    wait_for(lambda: len(driver.find_elements("css selector", "tr.job-row")) == 2, 10, "both jobs listed")
+    wait_for(lambda: len(driver.find_elements("css selector", "tr.job-row")) == 2, UI_WAIT_S, "both jobs listed")
     states = _js(driver, "return [...document.querySelectorAll('tr.job-row')].map(r => r.dataset.state)")
     assert states == ["FAILED", "SUCCEEDED"]  # newest first
     # the failed job's row: the step it had reached (the slower rank's; rank 1 failed after step 30), rank 0's loss
@@ -318,16 +323,16 @@ def test_an_unknown_job_and_a_stopped_server_are_reported(server, browser) -> No
     proc, url = server
     driver = browser
     driver.get(f"{url}/#/jobs/no-such-job")
-    wait_for(lambda: any(e.is_displayed() for e in driver.find_elements("id", "job-missing")), 10,
+    wait_for(lambda: any(e.is_displayed() for e in driver.find_elements("id", "job-missing")), UI_WAIT_S,
              "the unknown-job notice")
     assert "No job 'no-such-job'" in driver.find_element("id", "job-missing").text
     assert not driver.find_element("id", "job-body").is_displayed()
     driver.find_element("css selector", "#job-header a[href='#/']").click()
-    wait_for(lambda: len(driver.find_elements("css selector", "tr.job-row")) == 2, 10, "the list again")
+    wait_for(lambda: len(driver.find_elements("css selector", "tr.job-row")) == 2, UI_WAIT_S, "the list again")
     assert not driver.find_element("id", "conn-lost").is_displayed()
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(60) == 0
-    wait_for(lambda: any(e.is_displayed() for e in driver.find_elements("id", "conn-lost")), 15,
+    wait_for(lambda: any(e.is_displayed() for e in driver.find_elements("id", "conn-lost")), UI_WAIT_S,
              "the connection-lost notice")
     assert "connection lost" in driver.find_element("id", "conn-lost").text
     assert len(driver.find_elements("css selector", "tr.job-row")) == 2  # what was shown stays
@@ -393,7 +398,7 @@ def test_a_resumed_job_shows_its_goodput_bar_and_its_loss_across_attempts(browse
 
         # the loss chart: both attempts on one step axis, a colour each, one resume marker at the resumed step
         api = {n: orch.http().get(f"{url}/api/jobs/{job_id}/progress?attempt={n}").json()["points"] for n in (1, 2)}
-        loss = wait_for(lambda: (v := _js(driver, LOSS_JS))["attempts"] == ["1", "2"] and v, 10,
+        loss = wait_for(lambda: (v := _js(driver, LOSS_JS))["attempts"] == ["1", "2"] and v, UI_WAIT_S,
                         "both attempts on the loss chart")
         for n in (1, 2):  # every reported loss of each attempt is drawn (a point with no loss is not)
             with_loss = [p for p in api[n] if p.get("loss") is not None]

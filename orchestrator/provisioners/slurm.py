@@ -36,6 +36,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from typing import Callable, Mapping
 
 from agents.ranks import kill_marked, user_umask_env
@@ -217,17 +218,27 @@ class SlurmProvisioner(Provisioner):
     def unavailable(self, hosts: Sequence[str]) -> list[str]:
         """Those of ``hosts`` that Slurm has down, drained, draining or failing, in the order given: when Slurm
         takes one node away it ends the whole allocation, so every agent's step gets SIGTERM, and this names the
-        node that caused it. [] when slurmctld does not answer (the first step to report is then named).
+        node that caused it. [] when slurmctld does not answer within ``UNAVAILABLE_TIMEOUT_S`` (an error answer is
+        asked again until then, but for "not found" of a host Slurm does not know; the first step to report is then
+        named).
 
         ``scontrol show node``, not ``sinfo``: sinfo's allocated-CPU view, asked while an allocation's steps
         end, was seen to stay "mixed" for minutes after the allocation was gone (Slurm 22.05)."""
         if not hosts:
             return []
-        try:
-            r = slurm_command(["scontrol", "show", "node", "--oneliner", ",".join(hosts)], self.env,
-                              timeout=self.UNAVAILABLE_TIMEOUT_S)
-        except ProvisionError:
-            return []
+        deadline = time.monotonic() + self.UNAVAILABLE_TIMEOUT_S
+        while True:  # an answer that is an error (slurmctld busy ending the allocation's steps) is asked again
+            try:
+                r = slurm_command(["scontrol", "show", "node", "--oneliner", ",".join(hosts)], self.env,
+                                  timeout=max(0.1, deadline - time.monotonic()))
+            except ProvisionError:
+                return []
+            if r.returncode == 0:
+                break
+            unknown = "not found" in r.stderr  # a host Slurm does not know: asking again changes nothing
+            if unknown or time.monotonic() + 0.2 >= deadline:
+                return []
+            time.sleep(0.2)
         out = set()
         for line in r.stdout.splitlines():
             fields = dict(f.split("=", 1) for f in line.split() if "=" in f)
