@@ -143,6 +143,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="a straggler on purpose: this global rank sleeps --slow-ms per step, before the step's "
                         "collectives (reported as compute_seconds; orch's straggler detection names it)")
     p.add_argument("--slow-ms", type=float, default=0.0, help="milliseconds --slow-rank sleeps per step")
+    p.add_argument("--pace-ms", type=float, default=0.0,
+                   help="every rank sleeps this many milliseconds before each step (not in its step_s): a job "
+                        "that runs for a while on idle cores, for demos and tests; no rank is a straggler")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--log-interval", type=int, default=10, help="human summary on rank 0 every N steps")
     p.add_argument("--no-report", action="store_true", help="do not report steps to orch's metrics "
@@ -494,6 +497,8 @@ def main(argv=None) -> int:
     window_loss, window_n, window_t0 = 0.0, 0, time.time()
     engine.train()
     while step < last:
+        if args.pace_ms > 0:
+            time.sleep(args.pace_ms / 1000.0)  # --pace-ms: every rank alike, outside the step's timing
         t0 = time.perf_counter()
         loss_sum, compute_s = 0.0, 0.0
         for _ in range(gas):

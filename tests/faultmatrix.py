@@ -89,18 +89,24 @@ class Server:
             self.proc.wait(60)
 
 
-def stall_steps(lease_s: float) -> int:
-    """The controller_stopped job's steps: training must still run when the agents' lease runs out. 3,000 for
-    the default 15 s lease (2 idle cores train ~155 steps/s: the lease ran out at step ~2,380), else 300 per
-    second of lease, rounded up to a checkpoint (1,500 for 5 s: twice what the lease lets 2 idle cores train)."""
+def stall_steps(lease_s: float, pace_ms: float = 0.0) -> int:
+    """The controller_stopped job's steps: training must still run when the agents' lease runs out. Unpaced:
+    3,000 for the default 15 s lease (2 idle cores train ~155 steps/s: the lease ran out at step ~2,380), else
+    300 per second of lease, rounded up to a checkpoint (1,500 for 5 s: twice what the lease lets 2 idle cores
+    train). Paced (a step takes ``pace_ms`` ms at least): twice the steps the lease lets through at that pace,
+    past the fault's step, rounded up to a checkpoint (550 for 5 s at 20 ms)."""
+    if pace_ms > 0:
+        return 50 * math.ceil((FAULT_STEP + 2 * lease_s * 1000.0 / pace_ms) / 50)
     return min(3000, 50 * math.ceil(300 * lease_s / 50))
 
 
-def _spec(net, work: Path, fault: str, lease_s: float) -> dict:
+def _spec(net, work: Path, fault: str, lease_s: float, pace_ms: float = 0.0) -> dict:
     p = net.client_params()
     # the stall must outlast the agents' lease while training still runs: a longer job for it
-    steps, interval = (stall_steps(lease_s), 50) if fault == "controller_stopped" else (STEPS, INTERVAL)
+    steps, interval = (stall_steps(lease_s, pace_ms), 50) if fault == "controller_stopped" else (STEPS, INTERVAL)
     args = ["--steps", str(steps), "--checkpoint-interval", str(interval), *TINY]
+    if fault == "controller_stopped" and pace_ms > 0:  # rank 0 sleeps each step: its peer waits in the collective
+        args += ["--slow-rank", "0", "--slow-ms", f"{pace_ms:g}"]
     if fault == "hang":
         args += ["--hang-at-step", str(FAULT_STEP), "--hang-rank", str(VICTIM)]
     if fault == "save_crash":
@@ -156,14 +162,16 @@ def _log_has(path: Path, needle: str) -> bool:
         return False
 
 
-def run_fault(fault: str, net, work: Path, lease_s: float = LEASE_S) -> dict:
-    """Inject ``fault`` into a job under a server whose agents' lease is ``lease_s``; the measures."""
+def run_fault(fault: str, net, work: Path, lease_s: float = LEASE_S, pace_ms: float = 0.0) -> dict:
+    """Inject ``fault`` into a job under a server whose agents' lease is ``lease_s``; the measures. ``pace_ms``
+    > 0 makes every step of the controller_stopped job last that long at least (:func:`stall_steps`): a
+    shorter job, idle cores while the server is stopped."""
     state_dir = work / "state"
     server = Server(state_dir, lease_s)
     server.start()
     store: Store | None = None
     try:
-        spec = _spec(net, work, fault, lease_s)
+        spec = _spec(net, work, fault, lease_s, pace_ms)
         r = httpx.post(f"{server.url}/api/jobs", json={"spec": spec, "source": "fault_matrix"}, timeout=60,
                        headers=server.headers())
         r.raise_for_status()

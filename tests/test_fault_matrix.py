@@ -6,8 +6,8 @@ server must cost nothing: the next server re-attaches, no attempt is added, no s
 
 The agents' lease is 5 s here, not orch's default of 15 s (``ORCH_AGENT_LEASE_S``, which bench/fault_matrix.py
 keeps for docs/recovery.md's figures): what is asserted is what the lease's end does, not when it comes, so the
-controller_stopped stall is 10 s, its job 1,500 steps (not 20 s and 3,000) and the cut host's rank is gone 10 s
-sooner. How soon a lease ends is asserted in tests/test_ssh.py (cut link) and tests/test_e2e_local.py (stall),
+controller_stopped stall is 10 s, its job 550 steps of 20 ms at least (not 20 s and 3,000 at full speed) and the
+cut host's rank is gone 10 s sooner. How soon a lease ends is asserted in tests/test_ssh.py (cut link) and tests/test_e2e_local.py (stall),
 also with leases shorter than the default.
 
 A full disk under the state directory, a stale DeepSpeed build lock (a hang before the first step) and
@@ -25,6 +25,8 @@ from faultmatrix import FAULTS, INTERVAL, run_fault
 
 #: the agents' lease the matrix's server is given (orch's default: 15 s)
 LEASE_S = 5.0
+#: ms a step of the controller_stopped job lasts at least (its rank 0 sleeps): 550 steps, not 1,500 at full speed
+PACE_MS = 20.0
 
 pytestmark = [pytest.mark.integration, pytest.mark.deepspeed]
 
@@ -40,7 +42,7 @@ def ds_ops() -> None:
 
 @pytest.mark.parametrize("fault", FAULTS)
 def test_every_fault_ends_in_success_with_its_cause_and_nothing_left(fault, net3, tmp_path) -> None:
-    result = run_fault(fault, net3, tmp_path, lease_s=LEASE_S)
+    result = run_fault(fault, net3, tmp_path, lease_s=LEASE_S, pace_ms=PACE_MS)
     print(f"\n[fault matrix] {json.dumps(result)}")
     assert result["final_state"] == "SUCCEEDED" and result["leftovers"] == 0, result
     assert result["cause"] == CAUSES[fault], result

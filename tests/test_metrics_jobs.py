@@ -41,7 +41,7 @@ def test_taken_metrics_port_and_a_script_that_never_reports(orch, write_spec, ho
     try:
         hf = hostfile("node-0 slots=1\nnode-1 slots=1\n")
         spec = write_spec(name="noreport", hostfile=str(hf), workdir=str(EXAMPLES), entrypoint="train_gpt.py",
-                          args=["--steps", "1000000", "--no-report", *TINY], metrics_port=port,
+                          args=["--steps", "1000000", "--pace-ms", "50", "--no-report", *TINY], metrics_port=port,
                           deepspeed_config=str(EXAMPLES / "ds_zero2.json"),
                           env={"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}, stop_grace_seconds=5)
         proc = orch.popen("run", str(spec), env={"ORCH_PROMETHEUS_TARGETS": str(targets)})

@@ -68,7 +68,7 @@ def test_prometheus_scrapes_jobs_through_orchs_targets_and_every_dashboard_panel
 
             hf = hostfile("node-0 slots=1\nnode-1 slots=1\n")
             spec = write_spec(name="prom", hostfile=str(hf), workdir=str(EXAMPLES), entrypoint="train_gpt.py",
-                              args=["--steps", "1000000", *TINY], deepspeed_config=str(EXAMPLES / "ds_zero2.json"),
+                              args=["--steps", "1000000", "--pace-ms", "50", *TINY], deepspeed_config=str(EXAMPLES / "ds_zero2.json"),
                               env=ENV, stop_grace_seconds=5)
             submitted = time.time()
             job_id = orch.json("submit", str(spec))["id"]

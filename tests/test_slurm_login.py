@@ -38,11 +38,16 @@ def ds_ops() -> None:
     helpers_train.prebuild_ops()
 
 
-def _spec(write_spec, tmp_path: Path, *, steps: int, interval: int = 0, name: str, **extra) -> Path:
+def _spec(write_spec, tmp_path: Path, *, steps: int, interval: int = 0, name: str, pace_ms: float = 0,
+          **extra) -> Path:
+    """The module's ZeRO-2 job; ``pace_ms`` > 0: each step that long at least (a job left running, on idle cores)."""
     config = json.loads((EXAMPLES / "ds_zero2.json").read_text())
     config["train_micro_batch_size_per_gpu"] = 4
+    args = ["--steps", str(steps), "--checkpoint-interval", str(interval), *TINY]
+    if pace_ms:
+        args += ["--pace-ms", f"{pace_ms:g}"]
     fields = dict(name=name, provisioner="slurm", num_nodes=3, launcher="pdsh", workdir=str(EXAMPLES),
-                  entrypoint="train_gpt.py", args=["--steps", str(steps), "--checkpoint-interval", str(interval), *TINY],
+                  entrypoint="train_gpt.py", args=args,
                   deepspeed_config=config, checkpoint_dir=str(tmp_path / f"ckpt-{name}"), stop_grace_seconds=5,
                   env={"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}, env_passthrough=["TORCH_EXTENSIONS_DIR"],
                   slurm={"sbatch_args": "--time=30"})
@@ -198,7 +203,7 @@ def test_a_node_set_down_restarts_in_a_new_allocation_without_it(slurm_cluster, 
 def test_a_controller_that_dies_leaves_no_allocation(slurm_cluster, orch, write_spec, tmp_path) -> None:
     """``orch run`` SIGKILLed mid-training: its agents' srun steps lose their link and stop the ranks, and the
     batch script, with no agent step left, ends the allocation by itself (``ORCH_SLURM_IDLE_S``: 6 s here)."""
-    spec = _spec(write_spec, tmp_path, steps=100_000, name="login-killed")
+    spec = _spec(write_spec, tmp_path, steps=100_000, name="login-killed", pace_ms=50)
     proc = subprocess.Popen(orch.cmd("run", str(spec)), env={**_login_env(slurm_cluster, orch), "ORCH_SLURM_IDLE_S": "6"},
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:

@@ -33,7 +33,8 @@ EXAMPLES = ROOT / "examples"
 UI_WAIT_S = 30
 TINY = ["--n-layer", "1", "--d-model", "32", "--n-head", "2", "--seq-len", "32", "--corpus-bytes", "200000",
         "--log-interval", "0"]
-# 40-60 steps/s here once started: 25-40 s of training after a 10-40 s DeepSpeed start-up
+# 40-60 steps/s here once started at full speed; the followed job sleeps 10 ms a step (--pace-ms): 25-40 s of
+# training after a 10-40 s DeepSpeed start-up, on half the CPU
 STEPS = 1500
 ARTIFACTS = Path(os.environ.get("ORCH_TEST_ARTIFACTS") or ROOT / "test-artifacts")
 
@@ -144,7 +145,8 @@ def test_a_training_job_is_followed_live(server, browser, orch_m, write_spec, ho
     _js(driver, "window.__not_reloaded = true;")
 
     t0 = time.monotonic()
-    job_id = orch_m.json("submit", str(_spec(write_spec, hostfile, "web-train")), check=True)["id"]
+    job_id = orch_m.json("submit", str(_spec(write_spec, hostfile, "web-train", ["--pace-ms", "10"])),
+                         check=True)["id"]
     # the job appears in the list without a reload
     row = wait_for(lambda: driver.find_elements("css selector", f'tr.job-row[data-job-id="{job_id}"]'), UI_WAIT_S,
                    "the job in the list")[0]
