@@ -28,6 +28,8 @@ import helpers_train  # noqa: E402
 pytestmark = [pytest.mark.integration, pytest.mark.deepspeed]
 
 EXAMPLES = ROOT / "examples"
+#: nodes of every job (of the cluster's 4)
+NODES = 2
 JOB_STATE_JS = "const h = document.querySelector('#job-header'); return h && h.dataset.state;"
 TINY = ["--n-layer", "1", "--d-model", "32", "--n-head", "2", "--seq-len", "32", "--corpus-bytes", "200000",
         "--log-interval", "0"]
@@ -46,7 +48,7 @@ def _spec(write_spec, tmp_path: Path, *, steps: int, interval: int = 0, name: st
     args = ["--steps", str(steps), "--checkpoint-interval", str(interval), *TINY]
     if pace_ms:
         args += ["--pace-ms", f"{pace_ms:g}"]
-    fields = dict(name=name, provisioner="slurm", num_nodes=3, launcher="pdsh", workdir=str(EXAMPLES),
+    fields = dict(name=name, provisioner="slurm", num_nodes=NODES, launcher="pdsh", workdir=str(EXAMPLES),
                   entrypoint="train_gpt.py", args=args,
                   deepspeed_config=config, checkpoint_dir=str(tmp_path / f"ckpt-{name}"), stop_grace_seconds=5,
                   env={"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}, env_passthrough=["TORCH_EXTENSIONS_DIR"],
@@ -109,11 +111,11 @@ def test_queued_behind_a_busy_cluster_then_trains_and_releases(slurm_cluster, or
     print("\n[slurm login] " + "\n[slurm login] ".join(line for line in err.splitlines() if "Slurm" in line))
     assert proc.returncode == 0 and detail["state"] == "SUCCEEDED", (detail.get("cause"), err[-3000:])
     assert "(Resources)" in err or "(Priority)" in err, err  # orch run said why it waits
-    assert len(detail["nodes"]) == 3 and set(detail["nodes"]) <= set(slurm_cluster.names)
+    assert len(detail["nodes"]) == NODES and set(detail["nodes"]) <= set(slurm_cluster.names)
     granted = [e for e in orch.events(job_id, "allocation") if e.data["state"] == "RUNNING"]
     assert len(granted) == 1 and granted[0].data["waited_s"] >= 3
     losses = helpers_train.attempt_losses(Path(detail["run_dir"]))
-    assert [max(s for (r_, s) in losses if r_ == rank) for rank in range(3)] == [20, 20, 20]
+    assert [max(s for (r_, s) in losses if r_ == rank) for rank in range(NODES)] == [20] * NODES
     wait_for(lambda: name not in _squeue(slurm_cluster) or _squeue(slurm_cluster)[name][1] != "RUNNING", 30,
              "the allocation released")
     assert_no_leftovers(job_id, timeout=15)
@@ -168,7 +170,7 @@ def test_a_node_set_down_restarts_in_a_new_allocation_without_it(slurm_cluster, 
                  restart={"max_restarts": 1, "backoff_seconds": 0, "exclude_failed_nodes": True})
     proc = _orch_run(slurm_cluster, orch, spec)
     try:
-        job_id = helpers_train.training_past(orch, interval + 2, timeout=240)
+        job_id = helpers_train.training_past(orch, interval + 2, ranks=NODES, timeout=240)
         first = orch.json("status", job_id)["nodes"]
         down = first[1]
         t_down = time.time()
@@ -189,7 +191,7 @@ def test_a_node_set_down_restarts_in_a_new_allocation_without_it(slurm_cluster, 
         # Slurm ends every step of the allocation at once: the down node is named (from scontrol) whichever agent's
         # SIGTERM or closed link came first
         assert one["cause"]["kind"] == "node_lost" and one["cause"]["node"] == down, one["cause"]
-        assert down not in two["nodes"] and len(two["nodes"]) == 3, two["nodes"]
+        assert down not in two["nodes"] and len(two["nodes"]) == NODES, two["nodes"]
         assert int(two["resume_tag"].removeprefix("step_")) >= interval
         argv = [e.data["command"] for e in orch.events(job_id, "allocation") if e.data["state"] == "SUBMITTED"]
         assert len(argv) == 2 and f"--exclude={down}" in argv[1] and not any("--exclude" in a for a in argv[0])

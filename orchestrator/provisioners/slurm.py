@@ -218,8 +218,8 @@ class SlurmProvisioner(Provisioner):
     def unavailable(self, hosts: Sequence[str]) -> list[str]:
         """Those of ``hosts`` that Slurm has down, drained, draining or failing, in the order given: when Slurm
         takes one node away it ends the whole allocation, so every agent's step gets SIGTERM, and this names the
-        node that caused it. [] when slurmctld does not answer within ``UNAVAILABLE_TIMEOUT_S`` (an error answer is
-        asked again until then, but for "not found" of a host Slurm does not know; the first step to report is then
+        node that caused it; a host Slurm does not know is not named. [] when slurmctld does not answer within
+        ``UNAVAILABLE_TIMEOUT_S`` (an error answer is asked again until then; the first step to report is then
         named).
 
         ``scontrol show node``, not ``sinfo``: sinfo's allocated-CPU view, asked while an allocation's steps
@@ -233,10 +233,10 @@ class SlurmProvisioner(Provisioner):
                                   timeout=max(0.1, deadline - time.monotonic()))
             except ProvisionError:
                 return []
-            if r.returncode == 0:
+            # "Node X not found" (exit 1, on stdout after the nodes it knows): an answer, asking again changes nothing
+            if r.returncode == 0 or "not found" in r.stdout + r.stderr:
                 break
-            unknown = "not found" in r.stderr  # a host Slurm does not know: asking again changes nothing
-            if unknown or time.monotonic() + 0.2 >= deadline:
+            if time.monotonic() + 0.2 >= deadline:
                 return []
             time.sleep(0.2)
         out = set()
