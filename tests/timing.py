@@ -203,6 +203,10 @@ def write_durations(times: Times, path: Path = DURATIONS) -> None:
     path.write_text(json.dumps({k: round(v, 1) for k, v in sorted(per.items())}, indent=1) + "\n")
 
 
+#: the README's test command's two pytest runs (tests/timing.py run without arguments runs both)
+FULL_RUN_PARALLEL = ["-n", "2", "-m", "not timing"]
+FULL_RUN_TIMING = ["-m", "timing"]
+
 def write_into(doc: Path, text: str, command: str) -> None:
     """Replace what stands between ``BEGIN`` and ``END`` in ``doc`` with ``text`` under a line naming
     ``command`` and the date.
@@ -216,13 +220,15 @@ def write_into(doc: Path, text: str, command: str) -> None:
     head, rest = body.split(BEGIN, 1)
     _, tail = rest.split(END, 1)
     stamp = time.strftime("%Y-%m-%d")
-    doc.write_text(f"{head}{BEGIN}\nMeasured {stamp} with `{command}`:\n\n{text}{END}{tail}")
+    doc.write_text(f"{head}{BEGIN}\nMeasured {stamp} with `{command}`: {text}{END}{tail}")  # one paragraph
 
 
 def main(argv: Iterable[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="tests/timing.py", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="command", required=True)
-    run = sub.add_parser("run", help="run the suite with --times, then write the tables into docs/testing.md")
+    run = sub.add_parser("run", help="run the suite with --times (by default as the README's test command does: "
+                                     "-n 2 -m 'not timing', then -m timing), then write the tables into "
+                                     "docs/testing.md")
     run.add_argument("--doc", type=Path, default=ROOT / "docs" / "testing.md")
     run.add_argument("pytest_args", nargs="*", help="arguments for pytest (after --)")
     rep = sub.add_parser("report", help="print (or --write) the tables of a --times directory or a JUnit file")
@@ -234,9 +240,11 @@ def main(argv: Iterable[str] | None = None) -> int:
     args = ap.parse_args(list(argv) if argv is not None else None)
     if args.command == "run":
         out = Path(tempfile.mkdtemp(prefix="orch-times-"))
-        cmd = [sys.executable, "-m", "pytest", f"--times={out}", *args.pytest_args]
-        print("+", " ".join(cmd), flush=True)
-        code = subprocess.call(cmd, cwd=ROOT)
+        code = 0  # without arguments: the README's two commands (the parallel part, then the timing tier)
+        for part in ([args.pytest_args] if args.pytest_args else [FULL_RUN_PARALLEL, FULL_RUN_TIMING]):
+            cmd = [sys.executable, "-m", "pytest", f"--times={out}", *part]
+            print("+", " ".join(cmd), flush=True)
+            code = subprocess.call(cmd, cwd=ROOT) or code
         shown = "python tests/timing.py run" + (" -- " + " ".join(args.pytest_args) if args.pytest_args else "")
         times = load(out)
         write_into(args.doc, tables(times), shown)
