@@ -105,8 +105,8 @@ def _spec(net, work: Path, fault: str, lease_s: float, pace_ms: float = 0.0) -> 
     # the stall must outlast the agents' lease while training still runs: a longer job for it
     steps, interval = (stall_steps(lease_s, pace_ms), 50) if fault == "controller_stopped" else (STEPS, INTERVAL)
     args = ["--steps", str(steps), "--checkpoint-interval", str(interval), *TINY]
-    if fault == "controller_stopped" and pace_ms > 0:  # rank 0 sleeps each step: its peer waits in the collective
-        args += ["--slow-rank", "0", "--slow-ms", f"{pace_ms:g}"]
+    if fault == "controller_stopped" and pace_ms > 0:  # every rank sleeps before each step (no straggler)
+        args += ["--pace-ms", f"{pace_ms:g}"]
     if fault == "hang":
         args += ["--hang-at-step", str(FAULT_STEP), "--hang-rank", str(VICTIM)]
     if fault == "save_crash":

@@ -25,7 +25,7 @@ from faultmatrix import FAULTS, INTERVAL, run_fault
 
 #: the agents' lease the matrix's server is given (orch's default: 15 s)
 LEASE_S = 5.0
-#: ms a step of the controller_stopped job lasts at least (its rank 0 sleeps): 550 steps, not 1,500 at full speed
+#: ms a step of the controller_stopped job lasts at least (--pace-ms): 550 steps, not 1,500 at full speed
 PACE_MS = 20.0
 
 pytestmark = [pytest.mark.integration, pytest.mark.deepspeed]
