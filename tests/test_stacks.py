@@ -26,10 +26,13 @@ wait_for_the_data()
 '''
 
 
-def _spec(write_spec, hostfile, tmp_path):
-    (tmp_path / "sleeper.py").write_text(SCRIPT)
+def _spec(write_spec, hostfile, tmp_path, forked: bool = False):
+    """The sleeper job; ``forked``: its script imports torch and its ranks are forked from a template
+    (``fast_start: on``), whose own frames (agents/forktemplate.py) a dump must not show as the rank's."""
+    (tmp_path / "sleeper.py").write_text(("import torch\n" if forked else "") + SCRIPT)
     return write_spec(name="sleepy", hostfile=str(hostfile("node-0 slots=1\nnode-1 slots=1\n")),
-                      workdir=str(tmp_path), entrypoint="sleeper.py", stop_grace_seconds=1)
+                      workdir=str(tmp_path), entrypoint="sleeper.py", stop_grace_seconds=1,
+                      **({"fast_start": "on"} if forked else {}))
 
 
 def _up(orch, job_id: str) -> bool:
@@ -37,21 +40,23 @@ def _up(orch, job_id: str) -> bool:
     return d["state"] == "RUNNING" and all("up" in (r.get("last_line") or "") for r in d["ranks"])
 
 
-def test_orch_stacks_names_the_line_every_rank_sleeps_on(orch, write_spec, hostfile, tmp_path) -> None:
-    spec = _spec(write_spec, hostfile, tmp_path)
+@pytest.mark.parametrize("forked", [False, True], ids=["exec", "forked"])
+def test_orch_stacks_names_the_line_every_rank_sleeps_on(orch, write_spec, hostfile, tmp_path, forked) -> None:
+    spec = _spec(write_spec, hostfile, tmp_path, forked)
+    line = "sleeper.py:6" if forked else "sleeper.py:5"  # (the forked one's script starts with its import)
     with running_server(orch):
         job_id = orch.json("submit", str(spec))["id"]
         wait_for(lambda: _up(orch, job_id), 60, "both ranks up")
         report = orch.json("stacks", job_id)
         assert sorted(report["ranks"]) == ["0", "1"] and report["silent_nodes"] == []
         for rank, d in report["ranks"].items():
-            assert d["where"].startswith("wait_for_the_data (") and "sleeper.py:5" in d["where"], d
+            assert d["where"].startswith("wait_for_the_data (") and line in d["where"], d
             assert os.path.isfile(d["file"]) and "wait_for_the_data" in open(d["file"]).read()
         # orch status shows where a rank is once it has made no progress for --stuck-after seconds
-        status = wait_for(lambda: (lambda r: r if "rank 1: no progress for " in r.stdout else None)(
-            orch("status", job_id, "--stuck-after", "1")), 30, "orch status to show the quiet ranks")
-        assert "rank 0: no progress for " in status.stdout, status.stdout
-        assert "now in wait_for_the_data (" in status.stdout and "sleeper.py:5" in status.stdout
+        status = wait_for(lambda: (lambda r: r if all(f"rank {n}: no progress for " in r.stdout for n in (0, 1))
+                                   else None)(orch("status", job_id, "--stuck-after", "1")), 30,
+                          "orch status to show both quiet ranks")
+        assert "now in wait_for_the_data (" in status.stdout and line in status.stdout
         quiet = orch("status", job_id)  # the default, 60 s, has not passed: no dumps
         assert quiet.returncode == 0 and "no progress for" not in quiet.stdout
         one = orch("stacks", job_id, "--rank", "1")
