@@ -10,7 +10,7 @@ What is checked:
 (Every ZeRO stage training through orch, and exact resume after a killed rank, are in
 tests/test_training.py.)
 
-(c) per-rank state is per rank: the saved files differ and name their rank, DeepSpeed's
+Per-rank state is per rank: the saved files differ and name their rank, DeepSpeed's
     shared client_state holds none of it, and a resume where rank 1 gets rank 0's generator
     state (what happens if that state travels in client_state under ZeRO 1/2) is caught;
 plus that ds_to_universal accepts a ZeRO-1 checkpoint, and unit tests of the per-rank state.
@@ -41,7 +41,7 @@ REL_TOL = 1e-4
 TIMEOUT = 240
 
 
-# --------------------------------------------------------------------------- (c) per-rank state is per rank
+# --------------------------------------------------------------------------- per-rank state is per rank
 
 
 def _losses(run: ZeroRun) -> dict[tuple[int, int], float]:
@@ -75,10 +75,10 @@ def test_saved_rank_states_are_distinct(stage, zero_run):
 @pytest.mark.integration
 @pytest.mark.deepspeed
 def test_resume_with_rank0_state_on_rank1_is_detected(zero_run, tmp_path):
-    """Negative control for (b): give rank 1 rank 0's generator/RNG state, as a ZeRO-1/2 client_state would.
-
-    Rank 1's loss at the first resumed step must then differ from the shared run's while rank 0's still
-    matches, so the comparison in test_exact_resume really checks every rank.
+    """Negative control for the exact-resume comparison (tests/test_training.py's
+    test_kill_a_rank_then_resume_matches_an_uninterrupted_run): give rank 1 rank 0's generator/RNG state, as a
+    ZeRO-1/2 client_state would. Rank 1's loss at the first resumed step must then differ from the shared run's
+    while rank 0's still matches, so that comparison really checks every rank.
     """
     import torch
     ref = zero_run(1)
