@@ -190,6 +190,9 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 # DeepSpeed's JIT op cache of the tests' own: a shared one is rebuilt by every other virtualenv, and a
 # build killed midway leaves a lock that hangs every later rank using it
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".torch_extensions"))
+# their compiler: tests/bin/c++, the system's without debug information (a third less CPU for a fresh op cache)
+if str(ROOT / "tests" / "bin") not in os.environ.get("PATH", "").split(os.pathsep):
+    os.environ["PATH"] = str(ROOT / "tests" / "bin") + os.pathsep + os.environ.get("PATH", os.defpath)
 
 
 #: Hugging Face's ZeRO-2 example for the Trainer, in short: what it fills is "auto".
