@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import stat
 import subprocess
 import sys
 
@@ -67,3 +68,15 @@ def test_plan_only_lookup_does_not_hold(tmp_path) -> None:
     port = _free_port()
     reserve_port(tmp_path, port, hold=False)
     reserve_port(tmp_path, port).release()
+
+
+def test_a_missing_lock_dir_is_created_shared_like_tmp(tmp_path) -> None:
+    """The first reservation on a machine creates the lock directory (parents too) world-writable and sticky
+    (mode 1777, as /tmp: every user's jobs reserve ports there), whatever the umask; the port is reserved in it."""
+    lock_dir = tmp_path / "fresh" / "orch-ports"
+    port = _free_port()
+    lease = reserve_port(lock_dir, port)
+    assert lock_dir.is_dir() and stat.S_IMODE(lock_dir.stat().st_mode) == 0o1777
+    with pytest.raises(PlanError, match="already reserved"):
+        reserve_port(lock_dir, port)
+    lease.release()
