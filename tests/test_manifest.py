@@ -123,3 +123,25 @@ def test_files_there_before_the_attempt_are_not_recorded_again(tmp_path: Path) -
     os.utime(f, ns=(f.stat().st_mtime_ns + 10**9,) * 2)
     w.stop(final_deadline_s=5)
     assert [(x["name"], x["size"]) for x in out] == [("mp_rank_00_model_states.pt", 11)]
+
+
+def test_a_file_deleted_while_its_tag_is_listed_is_left_out_not_an_error(tmp_path: Path, monkeypatch) -> None:
+    """A file the ranks remove between the watch's listing of a tag and its look at the file (DeepSpeed's
+    temporary files, a save replaced) is skipped: the rest of the tag is recorded and no error is kept."""
+    out: list[dict] = []
+    w = CheckpointWatch({"dir": str(tmp_path), "world_size": 1}, [0], 0, lambda m: out.extend(m["files"]) or True)
+    _tag(tmp_path, "global_step10", 1)
+    gone = _write(tmp_path / "global_step10" / "zz_scratch.pt", b"s")
+    real_walk = os.walk
+
+    def walk_then_remove(top, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202 - os.walk's
+        for entry in real_walk(top, *args, **kwargs):
+            if gone.exists() and gone.name in entry[2]:
+                gone.unlink()  # listed, then removed before it is looked at
+            yield entry
+    monkeypatch.setattr(manifest.os, "walk", walk_then_remove)
+    w.stop(final_deadline_s=5)
+    assert not gone.exists()
+    assert sorted(f["name"] for f in out) == ["mp_rank_00_model_states.pt",
+                                              "zero_pp_rank_0_mp_rank_00_optim_states.pt"]
+    assert w.errors == []
