@@ -26,7 +26,7 @@ GPU_TESTS = ROOT / "tests" / "gpu"
 
 
 #: fixtures that start real hosts (sshd namespaces, Ray, Slurm, MPI): a test using one is marked ``cluster``
-CLUSTER_FIXTURES = frozenset({"net3", "net4", "make_net", "ray3", "ray4", "make_ray", "lone_ray", "mpi_net",
+CLUSTER_FIXTURES = frozenset({"net3", "net4", "make_net", "ray4", "make_ray", "lone_ray", "mpi_net",
                               "mpi_hosts", "slurm_cluster"})
 #: fixtures that start headless Chromium: a test using one is marked ``browser``
 BROWSER_FIXTURES = frozenset({"browser"})
@@ -67,7 +67,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 
 
 #: fixtures started once per session that tie the modules using them to one pytest-xdist worker: ``{fixture: group}``
-SHARED_GROUPS = {"ray3": "ray", "ray4": "ray", "make_ray": "ray", "lone_ray": "ray", "slurm_cluster": "slurm",
+SHARED_GROUPS = {"ray4": "ray", "make_ray": "ray", "lone_ray": "ray", "slurm_cluster": "slurm",
                  "mpi_net": "slurm", "mpi_hosts": "slurm", "zero_run": "zero_runs",
                  "site": "ray"}  # (test_provisioners' site: net4 or ray4, asked for by name)
 #: per-file seconds of the last measured run (``python tests/timing.py run`` writes it), for the order of the groups
@@ -578,29 +578,15 @@ def lone_ray(_ray_sessions: Any) -> None:
 
 
 @pytest.fixture(scope="session")
-def _ray3_session(_ray_sessions: Any) -> Any:
-    return _ray_sessions
-
-
-@pytest.fixture(scope="session")
 def _ray4_session(_ray_sessions: Any) -> Any:
     return _ray_sessions
 
 
 @pytest.fixture(scope="module")
-def ray3(_ray3_session: Any) -> Any:
-    """A Ray cluster on 3 fresh namespace hosts (2 CPUs each; the head has none), started once per session and
-    reset after each module; ``ray3.net`` is its network. A test that kills a node or cuts a link should call
-    ``ray3.reset()`` when done (links up, dead nodes restarted)."""
-    cluster = _ray3_session.get(3)
-    yield cluster
-    cluster.reset()
-
-
-@pytest.fixture(scope="module")
 def ray4(_ray4_session: Any) -> Any:
-    """A Ray cluster on 4 fresh namespace hosts, started once per session and reset after each module (see
-    ``ray3``)."""
+    """A Ray cluster on 4 fresh namespace hosts (2 CPUs each; the head has none), started once per session and
+    reset after each module; ``ray4.net`` is its network. A test that kills a node or cuts a link should call
+    ``ray4.reset()`` when done (links up, dead nodes restarted)."""
     cluster = _ray4_session.get(4)
     yield cluster
     cluster.reset()

@@ -75,58 +75,58 @@ def ray_processes_ps(cluster: RayTestCluster) -> list[str]:
     return found
 
 
-# --------------------------------------------------------------------------- 3 hosts
+# --------------------------------------------------------------------------- the session's 4 hosts
 
 
-def test_nodes_have_their_hosts_addresses(ray3: RayTestCluster) -> None:
-    net = ray3.net
-    print(f"\n3-host Ray cluster: start-up {ray3.setup_seconds:.1f} s {ray3.last_start_seconds}")
-    nodes = ray3.nodes()
+def test_nodes_have_their_hosts_addresses(ray4: RayTestCluster) -> None:
+    net = ray4.net
+    print(f"\n4-host Ray cluster: start-up {ray4.setup_seconds:.1f} s {ray4.last_start_seconds}")
+    nodes = ray4.nodes()
     alive = [n for n in nodes if n["alive"]]
     heads = [n for n in alive if n["is_head"]]
     assert len(heads) == 1 and heads[0]["ip"] == net.controller_addr
     assert heads[0]["resources"].get("CPU", 0) == 0, "work must not land on the head"
     workers = sorted((n for n in alive if not n["is_head"]), key=lambda n: n["ip"])
     assert [n["ip"] for n in workers] == net.addresses
-    assert [n["node_id"] for n in workers] == ray3.node_ids
+    assert [n["node_id"] for n in workers] == ray4.node_ids
     assert all(n["resources"]["CPU"] == 2 for n in workers)
-    assert ray3.address == f"{net.controller_addr}:{ray3.gcs_port}"
-    assert [ray3.node_ip(i) for i in range(3)] == net.addresses
+    assert ray4.address == f"{net.controller_addr}:{ray4.gcs_port}"
+    assert [ray4.node_ip(i) for i in range(len(net.hosts))] == net.addresses
 
 
-def test_tasks_land_on_their_own_hosts(ray3: RayTestCluster) -> None:
-    check_tasks_on_own_hosts(ray3)
+def test_tasks_land_on_their_own_hosts(ray4: RayTestCluster) -> None:
+    check_tasks_on_own_hosts(ray4)
     # a driver inside host 1 attaches to host 1's node when told its address (without it
     # Ray picks the head's raylet: namespaces share the process table and file system)
-    code = (f"import ray; ray.init(_node_ip_address={ray3.node_ip(1)!r}, logging_level='ERROR', "
+    code = (f"import ray; ray.init(_node_ip_address={ray4.node_ip(1)!r}, logging_level='ERROR', "
             "log_to_driver=False); print(ray.get_runtime_context().get_node_id())")
-    r = ray3.run_python(code, host=1)
+    r = ray4.run_python(code, host=1)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.split()[-1] == ray3.node_id(1)
+    assert r.stdout.split()[-1] == ray4.node_id(1)
 
 
-def test_killed_node_is_seen_dead_and_restarts(ray3: RayTestCluster) -> None:
+def test_killed_node_is_seen_dead_and_restarts(ray4: RayTestCluster) -> None:
     try:
-        old = ray3.node_id(1)
-        assert ray3.processes(1)
+        old = ray4.node_id(1)
+        assert ray4.processes(1)
         t0 = time.monotonic()
-        ray3.kill_node(1)
+        ray4.kill_node(1)
         killed = time.monotonic() - t0
-        assert ray3.processes(1) == [], "kill_node left processes of host 1's node"
-        assert ray3.processes(0) and ray3.processes(2) and ray3.processes(-1), "kill_node hit other nodes"
-        noticed = ray3.wait_dead(1, timeout=60)
+        assert ray4.processes(1) == [], "kill_node left processes of host 1's node"
+        assert ray4.processes(0) and ray4.processes(2) and ray4.processes(-1), "kill_node hit other nodes"
+        noticed = ray4.wait_dead(1, timeout=60)
         print(f"\nkill_node took {killed:.2f} s; Ray (default health checks) marked the node dead "
               f"{noticed:.1f} s later")
-        nodes = {n["node_id"]: n for n in ray3.nodes()}
+        nodes = {n["node_id"]: n for n in ray4.nodes()}
         assert not nodes[old]["alive"]
-        assert nodes[ray3.node_id(0)]["alive"] and nodes[ray3.node_id(2)]["alive"]
+        assert nodes[ray4.node_id(0)]["alive"] and nodes[ray4.node_id(2)]["alive"]
         t0 = time.monotonic()
-        assert ray3.reset() == [1]
+        assert ray4.reset() == [1]
         print(f"restart of host 1's node: {time.monotonic() - t0:.1f} s")
-        assert ray3.node_id(1) != old
-        check_tasks_on_own_hosts(ray3)
+        assert ray4.node_id(1) != old
+        check_tasks_on_own_hosts(ray4)
     finally:
-        ray3.reset()
+        ray4.reset()
 
 
 # --------------------------------------------------------------------------- cut link, teardown
