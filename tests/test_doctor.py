@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -237,6 +238,72 @@ def test_link_tests_killed_at_the_deadline_keep_what_they_measured() -> None:
     assert [x["peer"] for x in answers[1]["result"]["links"]] == [0]
     assert answers[0]["result"]["links"][0]["peer"] == 1 and answers[0]["result"]["links"][0]["correct"] is True
     assert [x["peer"] for x in answers[2]["result"]["links"]] in ([], [0])  # round 2's 0 <-> 2 may have finished
+
+
+# --------------------------------------------------------------------------- scripted agents (in this process)
+
+class _ScriptedAgent:
+    """An agent handle that answers the doctor's requests at once, in this process; its preflight check sends a
+    heartbeat naming the check it runs (``entrypoint``) and never finishes."""
+
+    def __init__(self, node_rank: int, sink) -> None:  # noqa: ANN001
+        self.n, self.sink, self.closed = node_rank, sink, False
+        self.pid = None
+        sink.put((node_rank, {"type": "hello"}))
+
+    def send(self, msg: dict) -> bool:
+        n, phase = self.n, msg.get("phase")
+        if msg.get("type") == "preflight":
+            self.sink.put((n, {"type": "heartbeat", "preflight": "entrypoint"}))
+        elif msg.get("type") == "doctor":
+            answer = {"report": {"report": _report()}, "clock": {"at": time.time()}, "unlisten": {},
+                      "listen": {"status": "passed", "detail": "ok"},
+                      "allreduce": {"status": "passed", "result": {"busbw": 1e9, "bytes": 4 << 20, "seconds": 0.01,
+                                                                   "iters": 5, "correct": True, "backend": "gloo",
+                                                                   "links": [], "rounds": 0, "rounds_done": 0}}}
+            self.sink.put((n, {"type": "doctor_result", "phase": phase, **answer[phase]}))
+        return not self.closed
+
+    def close(self) -> None:
+        self.closed = True
+
+    def wait(self, timeout: float) -> bool:
+        return self.closed
+
+    def kill(self) -> None:
+        self.closed = True
+
+    def diagnostics(self) -> str:
+        return ""
+
+
+def test_a_preflight_check_that_does_not_finish_is_named_from_the_node_s_heartbeats(tmp_path, monkeypatch) -> None:
+    """A node whose preflight is still running at the deadline fails with the check its heartbeats named
+    (``entrypoint``), not with 'no preflight answer'; the other phases, answered, pass."""
+    from orchestrator.provisioners import LocalProvisioner
+    from orchestrator.spec import spec_from_dict
+    from orchestrator.supervision.doctor import DoctorRun
+    from orchestrator.supervision.prepare import prepare_plan
+
+    class Scripted(LocalProvisioner):
+        def start_agent(self, node, plan, events):  # noqa: ANN001, ANN202
+            return _ScriptedAgent(node.node_rank, events)
+
+        def sweep(self, plan, spare=()):  # noqa: ANN001, ANN202
+            return []
+    monkeypatch.setenv("ORCH_PORT_LOCK_DIR", str(tmp_path / "ports"))
+    (tmp_path / "train.py").write_text("print('hi')\n")
+    (tmp_path / "hosts").write_text("node-0 slots=1\n")
+    spec = spec_from_dict({"name": "stalls", "entrypoint": "train.py", "workdir": str(tmp_path),
+                           "hostfile": str(tmp_path / "hosts")}, source="test")
+    plan, lease = prepare_plan(spec, tmp_path / "state", "doctor-stalls", provisioner=Scripted())
+    try:
+        verdict = DoctorRun(spec, plan, Scripted(), timeout_s=1.0).run()
+    finally:
+        lease.release()
+    (failure,) = [f for f in verdict["failures"] if f["check"] == "entrypoint"]
+    assert failure["node"] == "node-0" and "the entrypoint check did not finish within 1 s" in str(failure), failure
+    assert not any(f["check"] == "preflight" for f in verdict["failures"]), verdict["failures"]
 
 
 # --------------------------------------------------------------------------- local agents
