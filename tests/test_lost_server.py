@@ -2,15 +2,19 @@
 nothing, fails the job with ``controller_lost`` and schedules its restart (the controller's own trouble), in the
 server's own process, with the store written as the dead server left it (``Controller.recover``,
 ``supervision/reattach.take_over``). The real thing, a killed server and a real DeepSpeed job, is
-tests/test_recovery.py's timing test (whose next server may find the job already failed by a command instead)."""
+tests/test_recovery.py's timing test (whose next server may find the job already failed by a command instead);
+the last test here starts a real ``orch server`` on such a store."""
 
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import time
 
 import psutil
+import pytest
+from conftest import assert_no_leftovers, wait_for
 
 from orchestrator.errors import ProvisionError
 from orchestrator.provisioners import LocalProvisioner
@@ -30,8 +34,9 @@ class RefusingProvisioner(LocalProvisioner):
 def _dead_server_s_running_job(tmp_path, window_s: float = 60.0, last_alive_ago_s: float = 600.0) -> tuple:
     """The store as a server killed mid-job leaves it: a RUNNING job owned by a server that is gone (this
     process's pid with another start time), its alive file last touched ``last_alive_ago_s`` ago."""
-    state = tmp_path / "state"
-    state.mkdir(mode=0o700)
+    state = tmp_path / "state"  # (the ``state_dir`` fixture's, when a test also has one)
+    state.mkdir(mode=0o700, exist_ok=True)
+    state.chmod(0o700)
     (tmp_path / "train.py").write_text("print('hi')\n")
     spec = spec_from_dict({"name": "lost", "entrypoint": "train.py", "workdir": str(tmp_path),
                            "hostfile": None, "restart": {"max_restarts": 1, "backoff_seconds": 60}},
@@ -47,7 +52,8 @@ def _dead_server_s_running_job(tmp_path, window_s: float = 60.0, last_alive_ago_
     job = store.create_job("lost-1a2b3c", "lost", spec.to_dict(), owner=owner)
     store.set_state(job.id, JobState.PROVISIONING)
     store.add_attempt(job.id, 1, {"world_size": 1, "nodes": [{
-        "host": "localhost", "node_rank": 0, "log_dir": str(tmp_path / "logs"), "ranks": [{"global_rank": 0}]}]},
+        "host": "localhost", "node_rank": 0, "log_dir": str(tmp_path / "logs"),
+        "ranks": [{"global_rank": 0, "local_rank": 0, "slot": 0}]}]},
         None)
     store.set_state(job.id, JobState.RUNNING)
     return state, store, job.id
@@ -90,3 +96,31 @@ def test_the_next_server_fails_the_dead_server_s_job_and_schedules_its_restart(t
         controller.close(timeout=10)
     kinds = [e.kind for e in Store(state / "orch.db").events(job_id)]
     assert kinds.count("restart_scheduled") == 1 and "restart_called_off" in kinds, kinds
+
+
+@pytest.mark.integration
+def test_orch_server_on_a_dead_server_s_store_says_so_and_its_restart_succeeds(orch, tmp_path) -> None:
+    """A real ``orch server`` started on that store says, before it serves, which job's controller had gone away,
+    how it marked it and that it is restarted; the restart (attempt 2: the spec's one local rank) succeeds."""
+    state, store, job_id = _dead_server_s_running_job(tmp_path)
+    store.close()
+    assert state == orch.state_dir
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = orch.popen("server", "--port", str(port))
+    try:
+        said = []
+        while not said or not said[-1].startswith("dashboard: "):
+            line = proc.stderr.readline()
+            assert line, f"orch server ended before it served: {''.join(said)}"
+            said.append(line)
+        assert f"job {job_id}: its controller had gone away; marked FAILED (it is restarted)\n" in said, said
+        wait_for(lambda: orch.json("status", job_id)["state"] == "SUCCEEDED", 60, "the restart to succeed")
+        detail = orch.json("status", job_id)
+        assert [a["state"] for a in detail["attempts"]] == ["FAILED", "SUCCEEDED"], detail["attempts"]
+        assert_no_leftovers(job_id, timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(60)
