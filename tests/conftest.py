@@ -613,27 +613,28 @@ def make_ray() -> Any:
         raise AssertionError("; ".join(errors))
 
 
+def server_answers(orch: Orch, url: str) -> bool:
+    """``orch server`` at ``url`` answers ``/api/health`` (False while it starts: no token yet, not listening)."""
+    import httpx
+    try:
+        return orch.http().get(f"{url}/api/health", timeout=1).status_code == 200
+    except (OSError, httpx.HTTPError):
+        return False
+
+
 @contextlib.contextmanager
 def running_server(orch: Orch, *args: str):
     """``orch server`` on a free port for ``orch``'s state dir (plus ``args``), up and answering;
     yields ``(process, url)`` and stops it (SIGTERM) on the way out."""
     import signal
     import socket
-
-    import httpx
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = orch.popen("server", "--port", str(port), *args)
     url = f"http://127.0.0.1:{port}"
-
-    def up() -> bool:
-        try:
-            return orch.http().get(f"{url}/api/health", timeout=1).status_code == 200
-        except (OSError, httpx.HTTPError):  # no token yet, or not listening yet: still starting
-            return False
     try:
-        wait_for(up, 30, "the server to answer")
+        wait_for(lambda: server_answers(orch, url), 30, "the server to answer")
         while not getattr(proc, "login_url", None):  # printed before it serves; the Popen carries it
             line = proc.stderr.readline()
             assert line, "orch server printed no login URL"

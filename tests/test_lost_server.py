@@ -14,7 +14,7 @@ import time
 
 import psutil
 import pytest
-from conftest import assert_no_leftovers, wait_for
+from conftest import assert_no_leftovers, server_answers, wait_for
 
 from orchestrator.errors import ProvisionError
 from orchestrator.provisioners import LocalProvisioner
@@ -98,14 +98,6 @@ def test_the_next_server_fails_the_dead_server_s_job_and_schedules_its_restart(t
     assert kinds.count("restart_scheduled") == 1 and "restart_called_off" in kinds, kinds
 
 
-def _answers(orch, url: str) -> bool:  # noqa: ANN001
-    import httpx
-    try:
-        return orch.http().get(f"{url}/api/health", timeout=1).status_code == 200
-    except (OSError, httpx.HTTPError):  # not listening yet
-        return False
-
-
 @pytest.mark.integration
 def test_orch_server_on_a_dead_server_s_store_says_so_and_its_restart_succeeds(orch, tmp_path) -> None:
     """A real ``orch server`` started on that store says, before it serves, which job's controller had gone away,
@@ -125,7 +117,7 @@ def test_orch_server_on_a_dead_server_s_store_says_so_and_its_restart_succeeds(o
             said.append(line)
         assert f"job {job_id}: its controller had gone away; marked FAILED (it is restarted)\n" in said, said
         # ("dashboard:" comes before it listens: under load, a command right after would find no server yet)
-        wait_for(lambda: _answers(orch, f"http://127.0.0.1:{port}"), 30, "the server to answer")
+        wait_for(lambda: server_answers(orch, f"http://127.0.0.1:{port}"), 30, "the server to answer")
         wait_for(lambda: orch.json("status", job_id)["state"] == "SUCCEEDED", 60, "the restart to succeed")
         detail = orch.json("status", job_id)
         assert [a["state"] for a in detail["attempts"]] == ["FAILED", "SUCCEEDED"], detail["attempts"]
