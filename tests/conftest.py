@@ -625,7 +625,8 @@ def server_answers(orch: Orch, url: str) -> bool:
 @contextlib.contextmanager
 def running_server(orch: Orch, *args: str):
     """``orch server`` on a free port for ``orch``'s state dir (plus ``args``), up and answering;
-    yields ``(process, url)`` and stops it (SIGTERM) on the way out."""
+    yields ``(process, url)`` and stops it (SIGTERM) on the way out. The process carries ``login_url`` and
+    ``startup_lines``: the stderr lines it printed up to its dashboard line."""
     import signal
     import socket
     with socket.socket() as s:
@@ -635,9 +636,11 @@ def running_server(orch: Orch, *args: str):
     url = f"http://127.0.0.1:{port}"
     try:
         wait_for(lambda: server_answers(orch, url), 30, "the server to answer")
+        proc.startup_lines = []
         while not getattr(proc, "login_url", None):  # printed before it serves; the Popen carries it
             line = proc.stderr.readline()
-            assert line, "orch server printed no login URL"
+            assert line, f"orch server printed no login URL: {''.join(proc.startup_lines)}"
+            proc.startup_lines.append(line)
             if line.startswith("dashboard: "):
                 proc.login_url = line.split(" ", 1)[1].strip()
         yield proc, url

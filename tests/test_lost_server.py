@@ -8,13 +8,12 @@ the last test here starts a real ``orch server`` on such a store."""
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import time
 
 import psutil
 import pytest
-from conftest import assert_no_leftovers, server_answers, wait_for
+from conftest import assert_no_leftovers, running_server, wait_for
 
 from orchestrator.errors import ProvisionError
 from orchestrator.provisioners import LocalProvisioner
@@ -105,24 +104,10 @@ def test_orch_server_on_a_dead_server_s_store_says_so_and_its_restart_succeeds(o
     state, store, job_id = _dead_server_s_running_job(tmp_path)
     store.close()
     assert state == orch.state_dir
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = orch.popen("server", "--port", str(port))
-    try:
-        said = []
-        while not said or not said[-1].startswith("dashboard: "):
-            line = proc.stderr.readline()
-            assert line, f"orch server ended before it served: {''.join(said)}"
-            said.append(line)
-        assert f"job {job_id}: its controller had gone away; marked FAILED (it is restarted)\n" in said, said
-        # ("dashboard:" comes before it listens: under load, a command right after would find no server yet)
-        wait_for(lambda: server_answers(orch, f"http://127.0.0.1:{port}"), 30, "the server to answer")
+    with running_server(orch) as (proc, _url):
+        assert f"job {job_id}: its controller had gone away; marked FAILED (it is restarted)\n" in \
+            proc.startup_lines, proc.startup_lines
         wait_for(lambda: orch.json("status", job_id)["state"] == "SUCCEEDED", 60, "the restart to succeed")
         detail = orch.json("status", job_id)
         assert [a["state"] for a in detail["attempts"]] == ["FAILED", "SUCCEEDED"], detail["attempts"]
         assert_no_leftovers(job_id, timeout=10)
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(60)
