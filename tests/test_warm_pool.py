@@ -188,3 +188,50 @@ def test_a_job_right_after_the_last_waits_for_its_agents_to_come_back() -> None:
     assert pool.take_shared({"a": ("local", "python")}) == {"a": node}
     assert pool.take_shared({"a": ("local", "python")}) == {}  # nothing expected now: no wait, none left
     pool.close()
+
+
+def test_the_record_lists_the_shared_agents_a_job_runs_on_until_it_hands_them_back(tmp_path) -> None:
+    """A kept agent's process carries the attempt id of the job that started it, so ``orch gc`` leaves it alone only
+    while the record (``warm-agents.json``, read by housekeeping.kept_pids) lists it: it does while it waits, while
+    a later job runs on it, and after that job hands it back; it leaves the record when that job lets it go."""
+    import os
+    import socket
+
+    from orchestrator.supervision.housekeeping import kept_pids
+    from orchestrator.supervision.warm import WARM_RECORD, Relay, WarmNode, WarmPool
+
+    class Provisioner:  # the one seam: what parks and hands on agents
+        def detach(self, node_rank: int) -> None:
+            pass
+
+        def close(self) -> None:
+            pass
+
+        def warm_key(self, host: str) -> tuple:
+            return ("local", "python")
+
+    class Handle:
+        def close(self) -> None:
+            pass
+
+        def wait(self, timeout: float | None = None) -> bool:
+            return True
+
+    me = psutil.Process()
+    record = tmp_path / WARM_RECORD
+    pool = WarmPool(share_s=60, record=record,
+                    owner={"pid": me.pid, "host": socket.gethostname(), "create_time": me.create_time()})
+    node = WarmNode("a", Handle(), Relay(None, 0), {"pid": os.getpid(), "template": 4242})
+    pool.park("j1", 1, Provisioner(), {"a": node}, keep_s=60)
+    pool.retire("j1")
+    assert kept_pids(record) == {os.getpid(), 4242}
+    assert pool.take_shared({"a": ("local", "python")}, "j2") == {"a": node}
+    assert pool.shared() == [] and kept_pids(record) == {os.getpid(), 4242}  # j2 runs on them
+    again = WarmNode("a", Handle(), Relay(None, 0), {"pid": os.getpid(), "template": 4242})
+    pool.park("j2", 1, Provisioner(), {"a": again}, keep_s=60)
+    pool.retire("j2")
+    assert [n["job_id"] for n in pool.shared()] == ["j2"] and kept_pids(record) == {os.getpid(), 4242}
+    assert pool.take_shared({"a": ("local", "python")}, "j3") == {"a": again}
+    pool.release("j3")  # j3 ended without handing them back (its agent was lost, say)
+    assert kept_pids(record) == set() and not record.exists()
+    pool.close()

@@ -141,7 +141,8 @@ def _marked() -> dict[str, list[int]]:
 
 def kept_pids(record: Path) -> set[int]:
     """The pids :class:`~.warm.WarmPool` lists in ``record`` while its controller (the record's ``owner``) runs: agents
-    and templates kept for later jobs; an empty set without a record, or when its controller is gone."""
+    and templates kept for later jobs, and those a later job runs on now; an empty set without a record, or when
+    its controller is gone."""
     try:
         data = json.loads(Path(record).read_text())
         return {int(p) for p in data["pids"]} if owner_alive(data.get("owner")) else set()
@@ -308,7 +309,7 @@ def collect(store: Store | None, state_dir: str | Path, *, older_than_s: float |
         known |= {node_key(f"{job.id}.{a.number}", n) for a in attempts for n in range(len(a.plan.get("nodes") or []))}
         why = _live(job, dry_run)
         if not why and any(pid in warm for a in attempts for pid in marked.get(f"{job.id}.{a.number}", ())):
-            why = "its agents are kept warm for later jobs (orch server --keep-warm)"
+            why = "its agents are kept warm for later jobs, or one runs on them now (orch server --keep-warm)"
         if why:
             kept.append(Kept(job.id, f"not over: {why}"))
             continue

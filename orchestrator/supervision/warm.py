@@ -143,6 +143,7 @@ class WarmPool:
         self._record, self._owner = record, owner
         self._sets: dict[str, WarmSet] = {}
         self._shared: list[WarmNode] = []
+        self._lent: dict[str, list[int]] = {}  # job id -> pids of the shared agents (and templates) it runs on now
         self._lock = threading.Lock()
         self._landed = threading.Condition(self._lock)
         self._incoming: dict[str, tuple[set[str], float]] = {}  # job id -> (hosts, until): see expect()
@@ -204,11 +205,13 @@ class WarmPool:
                              {h: n for h, n in warm.nodes.items() if h not in taken}, 0.0))
         return taken
 
-    def take_shared(self, keys: dict[str, tuple | None]) -> dict[str, WarmNode]:
+    def take_shared(self, keys: dict[str, tuple | None], job_id: str = "") -> dict[str, WarmNode]:
         """For another job's attempt: one agent an ended job left on each host of ``keys`` (host -> the attempt's
         provisioner's :meth:`~orchestrator.provisioners.Provisioner.warm_key` there) with that very key, its link
         open and at least :data:`MARGIN_S` before it stops waiting. Returns host -> node (hosts without one are
-        not in it)."""
+        not in it). The taken agents' pids stay in the record, as run by ``job_id``, until that job's
+        :meth:`retire` or :meth:`release`: their processes carry the ended job's attempt id, and ``orch gc`` would
+        otherwise sweep them as that job's leftovers while ``job_id`` runs on them."""
         taken: dict[str, WarmNode] = {}
         dead: list[WarmNode] = []
         with self._lock:
@@ -222,6 +225,8 @@ class WarmPool:
                     taken[node.host] = node
                 else:
                     dead.append(node)
+            if taken:
+                self._lent.setdefault(job_id, []).extend(spare_pids(taken))
             if taken or dead:
                 self._publish()
         for node in dead:
@@ -248,9 +253,10 @@ class WarmPool:
         with self._lock:
             warm = self._sets.pop(job_id, None)
         if warm is not None:
-            self._retire(warm)
+            self._retire(warm)  # (they are in the record as shared before they leave it as lent)
         with self._lock:
             self._arrived(job_id)
+            self._lend_back(job_id)
         return warm is not None
 
     def release(self, job_id: str) -> bool:
@@ -259,6 +265,7 @@ class WarmPool:
         with self._lock:
             warm = self._sets.pop(job_id, None)
             self._arrived(job_id)
+            self._lend_back(job_id)
         if warm is None:
             return False
         self._close(warm)
@@ -270,6 +277,7 @@ class WarmPool:
         with self._lock:
             sets, self._sets = list(self._sets.values()), {}
             shared, self._shared = self._shared, []
+            self._lent.clear()
             self._publish()
             self._incoming.clear()
             self._landed.notify_all()
@@ -293,11 +301,19 @@ class WarmPool:
         self._close(WarmSet(warm.job_id, warm.attempt, warm.provisioner,
                             {h: n for h, n in warm.nodes.items() if h not in keep}, 0.0))
 
+    def _lend_back(self, job_id: str) -> None:
+        """The job no longer runs on the shared agents it took: their pids leave the record (called holding the
+        lock; those it handed back are in it as shared by now)."""
+        if self._lent.pop(job_id, None):
+            self._publish()
+
     def _publish(self) -> None:
-        """Write (or remove, with none kept) the record of the shared agents' pids (called holding the lock)."""
+        """Write (or remove, with none kept) the record of the pids of the shared agents and of those a job took
+        from them and runs on now (called holding the lock)."""
         if self._record is None:
             return
-        pids = spare_pids({str(i): n for i, n in enumerate(self._shared)})
+        pids = spare_pids({str(i): n for i, n in enumerate(self._shared)}) + \
+            [p for lent in self._lent.values() for p in lent]
         try:
             if not pids:
                 self._record.unlink(missing_ok=True)
@@ -382,7 +398,7 @@ def adopt_warm(pool: WarmPool | None, job_id: str, plan: Any, provisioner: Provi
     taken = pool.take(job_id, {n.host for n in plan.nodes})
     left = {n.host for n in plan.nodes} - set(taken)
     if left and pool.share_s > 0 and provisioner.warm_capable and not any(n.native for n in plan.nodes):
-        taken.update(pool.take_shared({h: _key(provisioner, h) for h in left}))
+        taken.update(pool.take_shared({h: _key(provisioner, h) for h in left}, job_id))
     out = {}
     for node in plan.nodes:
         warm = taken.pop(node.host, None)
