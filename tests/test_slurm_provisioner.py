@@ -13,6 +13,7 @@ the plan (submitting from there: tests/test_slurm_login.py).
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -122,6 +123,32 @@ def test_unavailable_names_the_nodes_sinfo_shows_out_of_service(slurm_cluster) -
             slurm_cluster.set_state(name, "RESUME")
         slurm_cluster.wait_idle(60)
     assert prov.unavailable(names) == [], slurm_cluster.run(["sinfo", "-h", "-N", "-o", "%N %t"]).stdout
+
+
+def test_the_allocation_s_slots_come_from_slurm_s_variables_and_bad_ones_are_named(slurm_cluster) -> None:
+    """``allocation_nodes`` with the real scontrol expanding the node list: GPUs per node win over tasks per node,
+    tasks per node (``2(x3),1``) give each node its own count, else 1 each; a count that does not fit the node list,
+    a malformed one and a node list scontrol cannot expand are errors that name the variable; ``check`` names the hosts
+    of a pool that are outside the allocation."""
+    from orchestrator.errors import ProvisionError
+    from orchestrator.planning import ResourcePool
+    from orchestrator.provisioners.slurm import SlurmProvisioner, allocation_nodes
+
+    alloc = {**slurm_cluster.env, "SLURM_JOB_ID": "77", "SLURM_JOB_NODELIST": "w[1-4]"}
+    assert allocation_nodes(alloc) == {"w1": 1, "w2": 1, "w3": 1, "w4": 1}
+    assert allocation_nodes({**alloc, "SLURM_TASKS_PER_NODE": "2(x3),1"}) == {"w1": 2, "w2": 2, "w3": 2, "w4": 1}
+    assert allocation_nodes({**alloc, "SLURM_TASKS_PER_NODE": "2(x4)", "SLURM_GPUS_PER_NODE": "gpu:8"}) == \
+        {"w1": 8, "w2": 8, "w3": 8, "w4": 8}
+    for tasks, says in (("2(x3)", "gives 3 node(s) but SLURM_JOB_NODELIST w[1-4] has 4"),
+                        ("2(x", "SLURM_TASKS_PER_NODE: ")):
+        with pytest.raises(ProvisionError, match=re.escape(says)):
+            allocation_nodes({**alloc, "SLURM_TASKS_PER_NODE": tasks})
+    with pytest.raises(ProvisionError, match=r"SLURM_JOB_NODELIST w\[4-1\] names no host .*Invalid hostlist"):
+        allocation_nodes({**alloc, "SLURM_JOB_NODELIST": "w[4-1]"})  # (scontrol exits 0 on it)
+    prov = SlurmProvisioner(env=alloc)
+    prov.check(ResourcePool((("w2", (0,)), ("w4", (0,)))))
+    with pytest.raises(ProvisionError, match=re.escape("host(s) v1, v2 are not in allocation 77 (its nodes: w1, w2")):
+        prov.check(ResourcePool((("w1", (0,)), ("v1", (0,)), ("v2", (0,)))))
 
 
 def test_plan_outside_an_allocation_says_how_to_see_one(orch, write_spec, tmp_path) -> None:

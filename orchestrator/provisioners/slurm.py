@@ -65,7 +65,8 @@ def allocation_nodes(env: Mapping[str, str]) -> "collections.OrderedDict[str, in
     else ``SLURM_TASKS_PER_NODE`` (``2(x3),1``), else 1 per node.
 
     Raises:
-        ProvisionError: not inside an allocation, or Slurm's variables do not fit each other.
+        ProvisionError: not inside an allocation, a node list scontrol cannot expand, or Slurm's variables do not
+            fit each other.
     """
     nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
     missing = [name for name, value in (("SLURM_JOB_ID", env.get("SLURM_JOB_ID")), ("SLURM_JOB_NODELIST", nodelist))
@@ -75,7 +76,12 @@ def allocation_nodes(env: Mapping[str, str]) -> "collections.OrderedDict[str, in
                              "not set here, so the nodes are known only once Slurm grants the allocation orch asks for "
                              "when the job is submitted (sbatch). To see the plan, run it inside one: "
                              "`salloc -N <nodes> orch plan job.yaml`, or give a hostfile.")
-    hosts = _run(["scontrol", "show", "hostnames", nodelist], env).split()
+    expanded = slurm_command(["scontrol", "show", "hostnames", nodelist], env)
+    hosts = expanded.stdout.split()
+    if expanded.returncode != 0 or not hosts:  # (scontrol says "Invalid hostlist" on stderr and exits 0)
+        said = "; ".join(line.strip() for line in expanded.stderr.splitlines() if line.strip())
+        raise ProvisionError(f"provisioner slurm: SLURM_JOB_NODELIST {nodelist} names no host that `scontrol show "
+                             f"hostnames` can expand: {said or f'exit {expanded.returncode}'}")
     gpus = env.get("SLURM_GPUS_PER_NODE", "").rsplit(":", 1)[-1]
     if gpus.isdigit() and int(gpus) > 0:
         counts = [int(gpus)] * len(hosts)
