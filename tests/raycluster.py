@@ -708,10 +708,13 @@ class RayTestCluster:
             self.kill_node(j)
         self._start_workers(indices)
 
-    def reset(self) -> list[int]:
+    def reset(self, timeout: float = 60.0) -> list[int]:
         """Back to a healthy cluster for the next test of a shared fixture: links up, sshds
-        killed with ``kill_node(i, host=True)`` restarted, and every host whose node is not
-        alive (or whose processes are gone) gets a fresh node. Returns the hosts restarted."""
+        killed with ``kill_node(i, host=True)`` restarted, every host whose node is not
+        alive (or whose processes are gone) gets a fresh node, and the GCS reports each
+        host's earlier nodes dead (a killed node stays listed alive until the GCS's health
+        check fails it, so a host would show two alive nodes). Returns the hosts restarted.
+        Raises RayClusterError when an earlier node is still alive after ``timeout`` s."""
         for j in range(len(self.workers)):
             if not self.net.link_up(j):
                 self.net.restore_link(j, wait=False)
@@ -722,6 +725,12 @@ class RayTestCluster:
                 if w.node_id not in alive or not self.processes(j)]
         if redo:
             self.restart_node(redo)
+        earlier = [nid for w in self.workers for nid in w.ids if nid != w.node_id]
+        if redo or any(nid in alive for nid in earlier):
+            r = self.query({"dead_ids": earlier}, timeout=timeout)
+            if not r["ok"]:
+                raise RayClusterError(f"the GCS still reports earlier nodes alive after {timeout} s: "
+                                      f"{self._describe(r['nodes'])}")
         return redo
 
     # ---------------------------------------------------------------- drivers

@@ -250,3 +250,43 @@ def test_auto_starts_a_node_s_only_rank_as_a_new_process_unless_its_template_is_
         assert forkserver.open_server("auto", argvs, [{}] * len(argvs), str(tmp_path), str(tmp_path / "t.log"),
                                       kept=kept) == (None, "not here", False)
     assert started == [2, 1]
+
+
+#: an agent's part in forking one rank with no cgroup (run as its own process: the agent is a child subreaper,
+#: which the rank's fork from the template needs, and a pytest worker must not become one)
+FORK_WITHOUT_CGROUP = """
+import json, os, sys
+from agents.forkserver import ForkServer, plan_template
+from agents.ranks import become_subreaper
+assert become_subreaper()
+argv = [sys.executable, "-u", "where.py", "--local_rank=0"]
+env = dict(os.environ)
+server = ForkServer(plan_template([argv], [env], os.getcwd()), "template.log")
+why = server.start()
+assert why is None, why
+try:
+    read, write = os.pipe()
+    pid = server.fork(0, argv, env, server.plan.mains[0], write)
+    os.close(write)
+    _, status = os.waitpid(pid, 0)
+    with os.fdopen(read) as out:
+        said = out.read()
+finally:
+    server.close()
+print(json.dumps({"code": os.waitstatus_to_exitcode(status), "said": said.strip(),
+                  "agent": open("/proc/self/cgroup").read().strip()}))
+"""
+
+
+def test_a_rank_forked_without_a_cgroup_stays_in_the_template_s_and_runs(tmp_path) -> None:
+    """ForkServer.fork with no cgroup (a node without cgroup v2, or one whose cgroup could not be made: the agent's
+    ``no_cgroup``): the rank runs its script in the cgroup it was forked in, the agent's, joins no other, and
+    exits with its own code."""
+    import subprocess
+    (tmp_path / "where.py").write_text("import sys, torch\nprint(open('/proc/self/cgroup').read().strip(), "
+                                       "sys.argv[1:], flush=True)\nraise SystemExit(3)\n")
+    r = subprocess.run([sys.executable, "-c", FORK_WITHOUT_CGROUP], cwd=tmp_path, capture_output=True, text=True,
+                       timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["code"] == 3 and got["said"] == f"{got['agent']} ['--local_rank=0']", got
