@@ -149,6 +149,32 @@ def test_a_shared_agent_is_taken_only_by_its_own_key() -> None:
     pool.close()
 
 
+class _Provisioner:
+    """The one seam of the WarmPool tests below: what parks and hands on agents (a local one's key)."""
+
+    def detach(self, node_rank: int) -> None:
+        pass
+
+    def forget(self, node_rank: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def warm_key(self, host: str) -> tuple:
+        return ("local", "python")
+
+
+class _EndedHandle:
+    """An agent's link that has ended (closing it does nothing more)."""
+
+    def close(self) -> None:
+        pass
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return True
+
+
 def test_a_job_right_after_the_last_waits_for_its_agents_to_come_back() -> None:
     """A job ends (its state is recorded) before its agents are stopped and parked: a job submitted at once on the
     same hosts waits for them (WarmPool.expect, up to WAIT_S) instead of starting new agents beside them."""
@@ -156,33 +182,13 @@ def test_a_job_right_after_the_last_waits_for_its_agents_to_come_back() -> None:
 
     from orchestrator.supervision.warm import Relay, WarmNode, WarmPool
 
-    class Provisioner:  # the one seam: what parks and hands on agents
-        def detach(self, node_rank: int) -> None:
-            pass
-
-        def forget(self, node_rank: int) -> None:
-            pass
-
-        def close(self) -> None:
-            pass
-
-        def warm_key(self, host: str) -> tuple:
-            return ("local", "python")
-
-    class Handle:
-        def close(self) -> None:
-            pass
-
-        def wait(self, timeout: float | None = None) -> bool:
-            return True
-
     pool = WarmPool(share_s=60)
     pool.expect("j1", {"a"})
-    node = WarmNode("a", Handle(), Relay(None, 0), {"pid": 1})
+    node = WarmNode("a", _EndedHandle(), Relay(None, 0), {"pid": 1})
 
     def teardown() -> None:
         time.sleep(1.0)
-        pool.park("j1", 1, Provisioner(), {"a": node}, keep_s=60)
+        pool.park("j1", 1, _Provisioner(), {"a": node}, keep_s=60)
         pool.retire("j1")
     threading.Thread(target=teardown).start()
     assert pool.take_shared({"a": ("local", "python")}) == {"a": node}
@@ -200,35 +206,18 @@ def test_the_record_lists_the_shared_agents_a_job_runs_on_until_it_hands_them_ba
     from orchestrator.supervision.housekeeping import kept_pids
     from orchestrator.supervision.warm import WARM_RECORD, Relay, WarmNode, WarmPool
 
-    class Provisioner:  # the one seam: what parks and hands on agents
-        def detach(self, node_rank: int) -> None:
-            pass
-
-        def close(self) -> None:
-            pass
-
-        def warm_key(self, host: str) -> tuple:
-            return ("local", "python")
-
-    class Handle:
-        def close(self) -> None:
-            pass
-
-        def wait(self, timeout: float | None = None) -> bool:
-            return True
-
     me = psutil.Process()
     record = tmp_path / WARM_RECORD
     pool = WarmPool(share_s=60, record=record,
                     owner={"pid": me.pid, "host": socket.gethostname(), "create_time": me.create_time()})
-    node = WarmNode("a", Handle(), Relay(None, 0), {"pid": os.getpid(), "template": 4242})
-    pool.park("j1", 1, Provisioner(), {"a": node}, keep_s=60)
+    node = WarmNode("a", _EndedHandle(), Relay(None, 0), {"pid": os.getpid(), "template": 4242})
+    pool.park("j1", 1, _Provisioner(), {"a": node}, keep_s=60)
     pool.retire("j1")
     assert kept_pids(record) == {os.getpid(), 4242}
     assert pool.take_shared({"a": ("local", "python")}, "j2") == {"a": node}
     assert pool.shared() == [] and kept_pids(record) == {os.getpid(), 4242}  # j2 runs on them
-    again = WarmNode("a", Handle(), Relay(None, 0), {"pid": os.getpid(), "template": 4242})
-    pool.park("j2", 1, Provisioner(), {"a": again}, keep_s=60)
+    again = WarmNode("a", _EndedHandle(), Relay(None, 0), {"pid": os.getpid(), "template": 4242})
+    pool.park("j2", 1, _Provisioner(), {"a": again}, keep_s=60)
     pool.retire("j2")
     assert [n["job_id"] for n in pool.shared()] == ["j2"] and kept_pids(record) == {os.getpid(), 4242}
     assert pool.take_shared({"a": ("local", "python")}, "j3") == {"a": again}
