@@ -142,9 +142,9 @@ def test_a_shared_agent_is_taken_only_by_its_own_key() -> None:
              WarmNode("b", Handle(), Relay(None, 1), {"pid": 2}, job_id="j1", key=("ssh", "b", 22, "me"),
                       until=now + 2)]
     pool._shared += nodes
-    assert pool.take_shared({"a": ("ssh", "a", 22, "you"), "b": None}) == {}
+    assert pool.take_shared({"a": ("ssh", "a", 22, "you"), "b": None}, "j2") == {}
     assert [n["host"] for n in pool.shared()] == ["a", "b"]
-    assert pool.take_shared({"a": ("ssh", "a", 22, "me"), "b": ("ssh", "b", 22, "me")}) == {"a": nodes[0]}
+    assert pool.take_shared({"a": ("ssh", "a", 22, "me"), "b": ("ssh", "b", 22, "me")}, "j2") == {"a": nodes[0]}
     assert nodes[1].handle.closed and not nodes[0].handle.closed and pool.shared() == []
     pool.close()
 
@@ -191,8 +191,8 @@ def test_a_job_right_after_the_last_waits_for_its_agents_to_come_back() -> None:
         pool.park("j1", 1, _Provisioner(), {"a": node}, keep_s=60)
         pool.retire("j1")
     threading.Thread(target=teardown).start()
-    assert pool.take_shared({"a": ("local", "python")}) == {"a": node}
-    assert pool.take_shared({"a": ("local", "python")}) == {}  # nothing expected now: no wait, none left
+    assert pool.take_shared({"a": ("local", "python")}, "j2") == {"a": node}
+    assert pool.take_shared({"a": ("local", "python")}, "j3") == {}  # nothing expected now: no wait, none left
     pool.close()
 
 

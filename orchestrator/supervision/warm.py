@@ -129,7 +129,7 @@ class WarmPool:
         pool.park("job-1", 1, provisioner, {host: WarmNode(...)}, keep_s=60)
         warm = pool.take("job-1", {"node1", "node2"})   # the restart's attempt: host -> WarmNode
         pool.retire("job-1")               # no restart: shared (share_s > 0), else links closed, agents gone
-        pool.take_shared({"node1": provisioner.warm_key("node1")})  # another job's attempt
+        pool.take_shared({"node1": provisioner.warm_key("node1")}, "job2")  # another job's attempt
     """
 
     #: A shared agent is not handed out (and is ended) this many seconds before it would stop waiting by itself.
@@ -205,7 +205,7 @@ class WarmPool:
                              {h: n for h, n in warm.nodes.items() if h not in taken}, 0.0))
         return taken
 
-    def take_shared(self, keys: dict[str, tuple | None], job_id: str = "") -> dict[str, WarmNode]:
+    def take_shared(self, keys: dict[str, tuple | None], job_id: str) -> dict[str, WarmNode]:
         """For another job's attempt: one agent an ended job left on each host of ``keys`` (host -> the attempt's
         provisioner's :meth:`~orchestrator.provisioners.Provisioner.warm_key` there) with that very key, its link
         open and at least :data:`MARGIN_S` before it stops waiting. Returns host -> node (hosts without one are
