@@ -14,11 +14,14 @@ import ssl
 import stat
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import httpx
 import pytest
 from conftest import Orch, running_server, wait_for
+
+from orchestrator.face.cli.server import SHUTDOWN_S
 
 pytestmark = pytest.mark.integration
 
@@ -230,10 +233,21 @@ def test_tls_serves_https_and_the_cli_verifies_it(orch, tmp_path) -> None:
         login = httpx.get(f"{url}/login?token={orch.token()}", verify=trust)
         assert "Secure" in login.headers["set-cookie"]
         assert json.loads((orch.state_dir / "server.json").read_text())["url"] == f"https://127.0.0.1:{port}"
+        # a client that keeps its keep-alive connection open (and never answers the TLS close) does not hold the
+        # stopping server past its shutdown deadline (asyncio's TLS shutdown alone would wait 30 s)
+        idle = httpx.Client(verify=trust, headers={"Authorization": f"Bearer {orch.token()}"})
+        assert idle.get(f"{url}/api/jobs").status_code == 200
+        t0 = time.monotonic()
     finally:
         proc.terminate()
         out, err = proc.communicate(timeout=60)
+    stop_s = time.monotonic() - t0
+    idle.close()
+    assert proc.returncode == 0 and stop_s < SHUTDOWN_S + 10, (proc.returncode, stop_s, err[-2000:])
     assert f"dashboard: https://127.0.0.1:{port}/login?token=" in err, err
+    assert "Traceback" not in err and "uvicorn" not in err.lower(), err[-3000:]
+    closed = f"orch server stopping: 1 client connection(s) still open after {SHUTDOWN_S:g} s are closed"
+    assert closed in err, err[-3000:]
 
 
 def test_the_token_file_keeps_its_mode_and_the_cli_takes_another(orch, tmp_path) -> None:

@@ -12,6 +12,9 @@ from .backends import find_server, server_file, state_dir_of
 from .output import UsageError, err_console
 
 DEFAULT_PORT = 8470
+#: seconds a stopping server waits for its clients' open connections (an idle HTTPS keep-alive one would hold it
+#: for asyncio's 30 s TLS shutdown timeout; uvicorn's default is to wait for ever) before it closes them itself
+SHUTDOWN_S = 5.0
 
 
 def _quiet_server_class() -> type:
@@ -22,7 +25,25 @@ def _quiet_server_class() -> type:
     class QuietServer(uvicorn.Server):
         """uvicorn's server, except that SIGTERM/SIGINT only end serving and are not
         re-raised afterwards (uvicorn re-raises them), so ``orch server`` can stop the jobs
-        it runs and exit 0."""
+        it runs and exit 0; and that connections still open at :data:`SHUTDOWN_S` are reported in orch's
+        words, not uvicorn's ("Cancel 0 running task(s), timeout graceful shutdown exceeded")."""
+
+        async def shutdown(self, sockets=None) -> None:  # type: ignore[override]
+            import logging
+
+            def reword(record: logging.LogRecord) -> bool:
+                if "timeout graceful shutdown exceeded" not in record.getMessage():
+                    return True
+                err_console.print(f"orch server stopping: {len(self.server_state.connections)} client "
+                                  f"connection(s) still open after {SHUTDOWN_S:g} s are closed",
+                                  markup=False, highlight=False)
+                return False
+            log = logging.getLogger("uvicorn.error")
+            log.addFilter(reword)
+            try:
+                await super().shutdown(sockets)
+            finally:
+                log.removeFilter(reword)
 
         @contextlib.contextmanager
         def capture_signals(self):  # type: ignore[override]
@@ -157,7 +178,7 @@ def cmd_server(args: argparse.Namespace) -> int:
                           "hosts (--keep-warm)", markup=False, highlight=False)
     app = create_app(controller, token, allowed_hosts(args.host, args.allowed_host or []), secure=scheme == "https")
     server = _quiet_server_class()(uvicorn.Config(app, log_level="warning", ssl_certfile=args.tls_cert,
-                                                  ssl_keyfile=args.tls_key))
+                                                  ssl_keyfile=args.tls_key, timeout_graceful_shutdown=SHUTDOWN_S))
     try:
         server.run(sockets=[sock])
     finally:
