@@ -204,13 +204,16 @@ HF_DS = {"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto", "
          "zero_optimization": {"stage": 2, "reduce_bucket_size": "auto"}}
 
 
-def job_processes(job_id: str) -> list[psutil.Process]:
-    """Every live process of a job: ranks (ORCH_ATTEMPT_ID) and agents (ORCH_AGENT_ATTEMPT_ID)."""
+def job_processes(job_id: str, running: str | None = None) -> list[psutil.Process]:
+    """Every live process of a job: ranks (ORCH_ATTEMPT_ID) and agents (ORCH_AGENT_ATTEMPT_ID); with ``running``,
+    only those whose command line contains it (read here, so a process ending meanwhile is left out, not raised)."""
     found = []
     for proc in psutil.process_iter(["pid"]):
         try:
             env = proc.environ()
             if proc.status() == psutil.STATUS_ZOMBIE:
+                continue
+            if running is not None and running not in " ".join(proc.cmdline()):
                 continue
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, OSError):
             continue

@@ -409,7 +409,7 @@ def test_agents_stop_their_ranks_when_the_controller_falls_silent(orch, write_sp
     try:
         proc.send_signal(signal.SIGSTOP)  # the controller is alive but says nothing
         t0 = time.monotonic()
-        wait_for(lambda: not [p for p in job_processes(job["id"]) if "worker.py" in " ".join(p.cmdline())],
+        wait_for(lambda: not job_processes(job["id"], running="worker.py"),
                  20, "the ranks to be stopped by their agents")
         assert time.monotonic() - t0 < 3 + 2 + 2  # lease + grace + a little
         proc.send_signal(signal.SIGCONT)

@@ -518,7 +518,7 @@ def _job_id(orch) -> str:
 def _job_checking(orch) -> str:
     """:func:`_job_id`, once both nodes run the (hanging) python check of ``_hanging_python``."""
     job_id = _job_id(orch)
-    wait_for(lambda: len([p for p in job_processes(job_id) if "sleep" in " ".join(p.cmdline())]) == 2, 60,
+    wait_for(lambda: len(job_processes(job_id, running="sleep")) == 2, 60,
              "both nodes' python checks to run")
     return job_id
 
@@ -533,7 +533,7 @@ def test_node_lost_during_preflight_is_detected_by_heartbeats(orch, write_spec, 
 
         def agent_of_node_1_checking() -> Any:
             agents = [p for p in job_processes(job_id) if p.environ().get("ORCH_AGENT_NODE_RANK") == "1"]
-            probes = [p for p in job_processes(job_id) if "sleep" in " ".join(p.cmdline())]
+            probes = job_processes(job_id, running="sleep")
             return agents[0] if agents and len(probes) == 2 else None
         agent = wait_for(agent_of_node_1_checking, 60, "both nodes' python checks to run")
         killed_at = time.monotonic()

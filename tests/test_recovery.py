@@ -63,7 +63,7 @@ def test_a_killed_server_s_job_is_restarted_by_the_next_server(orch, write_spec,
         job_id = orch.json("submit", str(spec))["id"]
         ckpt = Path(orch.json("status", job_id)["checkpoint_dir"])
         wait_for(lambda: (ckpt / "step_10" / "orch_checkpoint.json").exists(), 240, "checkpoint step_10")
-        ranks = [p for p in job_processes(job_id) if "train_gpt.py" in " ".join(p.cmdline())]
+        ranks = job_processes(job_id, running="train_gpt.py")
         assert len(ranks) == 2
         proc.send_signal(signal.SIGKILL)
         killed = time.monotonic()
