@@ -481,8 +481,10 @@ def test_read_commands_as_real_processes_answer_as_the_in_process_entry_does(orc
     """The tests run orch's read-only commands (plan, list, status, logs, resume --dry-run) through the CLI's entry
     in their own process (tests/conftest.py ``Orch``); here each is also a real ``python -m orchestrator``
     process: the same exit status, output and errors, table and JSON, for a good and a refused request."""
+    # a set master port: 'auto' takes the first free one when each command runs, which a job of another
+    # pytest-xdist worker may hold for one of the two calls and not the other
     spec = write_spec(**spec_fields(hostfile("node-0 slots=1\nnode-1 slots=1\n"), WORKER_STEPS="3",
-                                    WORKER_FAIL_RANK="1", WORKER_FAIL_AT="2"))
+                                    WORKER_FAIL_RANK="1", WORKER_FAIL_AT="2"), master_port=29611)
     assert orch("run", str(spec), timeout=120).returncode == 1
     (job,) = orch.json("list")
     calls = [("plan", str(spec)), ("-o", "json", "plan", str(spec)), ("list",), ("-o", "json", "list"),
