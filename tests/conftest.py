@@ -211,16 +211,16 @@ def job_processes(job_id: str, running: str | None = None) -> list[psutil.Proces
     for proc in psutil.process_iter(["pid"]):
         try:
             env = proc.environ()
+            if not any(env.get(key, "").startswith(job_id + ".")
+                       for key in ("ORCH_ATTEMPT_ID", "ORCH_AGENT_ATTEMPT_ID")):
+                continue
             if proc.status() == psutil.STATUS_ZOMBIE:
                 continue
-            if running is not None and running not in " ".join(proc.cmdline()):
+            if running is not None and running not in " ".join(proc.cmdline()):  # (only the job's are read)
                 continue
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, OSError):
             continue
-        for key in ("ORCH_ATTEMPT_ID", "ORCH_AGENT_ATTEMPT_ID"):
-            if env.get(key, "").startswith(job_id + "."):
-                found.append(proc)
-                break
+        found.append(proc)
     return found
 
 
