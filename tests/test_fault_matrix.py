@@ -11,7 +11,11 @@ cut host's rank is gone 10 s sooner. How soon a lease ends is asserted in tests/
 also with leases shorter than the default.
 
 A full disk under the state directory, a stale DeepSpeed build lock (a hang before the first step) and
-a job that ends right after its last step under a tiny ``hang_timeout`` are in tests/test_faults.py.
+a job that ends right after its last step under a tiny ``hang_timeout`` are in tests/test_faults.py. The
+matrix's ``save_crash`` (a rank killed inside a checkpoint save) is not run here: tests/test_recovery.py runs
+that fault with real DeepSpeed under the same restart policy and asserts more of it (the partial tag skipped
+and named, every redone step's loss equal to the killed attempt's); the SSH hosts add nothing to it, and
+bench/fault_matrix.py still measures it over SSH for docs/recovery.md.
 """
 
 from __future__ import annotations
@@ -40,7 +44,12 @@ def ds_ops() -> None:
     helpers_train.prebuild_ops()
 
 
-@pytest.mark.parametrize("fault", FAULTS)
+#: the faults run here: all of the matrix's but save_crash (tests/test_recovery.py, see above)
+TESTED = [f for f in FAULTS if f != "save_crash"]
+
+
+
+@pytest.mark.parametrize("fault", TESTED)
 def test_every_fault_ends_in_success_with_its_cause_and_nothing_left(fault, net3, tmp_path) -> None:
     result = run_fault(fault, net3, tmp_path, lease_s=LEASE_S, pace_ms=PACE_MS)
     print(f"\n[fault matrix] {json.dumps(result)}")

@@ -11,7 +11,9 @@ with a real 2-node ZeRO-2 job (examples/train_gpt.py, local agents).
 
 A next server that comes in time re-attaches instead: the same rank processes train on, every step once, one
 attempt. That is tested with local agents in tests/test_reattach.py (worker ranks, whose every step is counted),
-with DeepSpeed over SSH on 3 hosts in tests/test_ssh.py and in the fault matrix (controller_killed).
+with a gloo all-reduce rank over SSH on 3 hosts in tests/test_ssh.py and with DeepSpeed over SSH in the fault
+matrix (controller_killed). The crash in a save is the fault matrix's save_crash, which tests/test_fault_matrix.py
+leaves to this module.
 """
 
 from __future__ import annotations

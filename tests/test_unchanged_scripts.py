@@ -15,6 +15,7 @@ Both train a byte-level model on the CPython standard library's source across 2 
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 from pathlib import Path
@@ -68,6 +69,9 @@ def test_plain_deepspeed_script_trains_across_two_nodes(orch, write_spec, hostfi
     assert first[0] != first[1]  # each rank trains on its own shard
     done = re.search(r"^done .*$", logs[0], re.MULTILINE).group(0)
     assert _float(done, "last_loss") < _float(done, "first_loss") - 1.0, done
+    # emulated (launch_mode's default): orch started every rank as the launcher would; no node ran the tool
+    plan = json.loads((Path(detail["run_dir"]) / "plan.json").read_text())
+    assert plan["nodes"][0]["native"] is None and not (Path(detail["run_dir"]) / "logs" / "launcher.log").exists()
     assert_no_leftovers(job["id"], timeout=5)
 
 
