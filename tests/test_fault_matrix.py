@@ -61,3 +61,14 @@ def test_every_fault_ends_in_success_with_its_cause_and_nothing_left(fault, net3
     assert result["attempts"] == 2, result
     interval = 50 if fault == "controller_stopped" else INTERVAL  # (the stall's longer job saves every 50 steps)
     assert 0 <= result["steps_lost"] <= interval, result
+    hosts = net3.names
+    if CAUSES[fault] == "node_lost":  # exclude_failed_nodes: the spare takes the lost node's place, the world size
+        # stays 2, so attempt 2 loads the tag itself: no universal conversion (it would cost seconds). (Of
+        # agents_killed's two nodes, the one whose loss was seen first is the cause's and left out.)
+        lost = result["lost_node"]
+        assert lost in hosts[:2] and (fault == "agents_killed" or lost == hosts[1]), result
+        assert result["nodes"] == [hosts[:2], [h for h in hosts if h != lost]], result
+    else:  # nothing was lost: the same nodes again
+        assert result["nodes"] == [hosts[:2], hosts[:2]], result
+    assert result["world_sizes"] == [2, 2] and result["resume_universal_from"] is None, result
+    assert not result["converted"] and result["load_universal"] is False, result

@@ -204,7 +204,7 @@ def write_durations(times: Times, path: Path = DURATIONS) -> None:
 
 
 #: the README's test command's two pytest runs (tests/timing.py run without arguments runs both)
-FULL_RUN_PARALLEL = ["-n", "3", "-m", "not timing"]
+FULL_RUN_PARALLEL = ["-n", "2", "-m", "not timing"]
 FULL_RUN_TIMING = ["-m", "timing"]
 
 def write_into(doc: Path, text: str, command: str) -> None:
@@ -227,7 +227,7 @@ def main(argv: Iterable[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="tests/timing.py", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run the suite with --times (by default as the README's test command does: "
-                                     "-n 3 -m 'not timing', then -m timing), then write the tables into "
+                                     "-n 2 -m 'not timing', then -m timing), then write the tables into "
                                      "docs/testing.md")
     run.add_argument("--doc", type=Path, default=ROOT / "docs" / "testing.md")
     run.add_argument("pytest_args", nargs="*", help="arguments for pytest (after --)")
