@@ -48,7 +48,6 @@ def ds_ops() -> None:
 TESTED = [f for f in FAULTS if f != "save_crash"]
 
 
-
 @pytest.mark.parametrize("fault", TESTED)
 def test_every_fault_ends_in_success_with_its_cause_and_nothing_left(fault, net3, tmp_path) -> None:
     result = run_fault(fault, net3, tmp_path, lease_s=LEASE_S, pace_ms=PACE_MS)
