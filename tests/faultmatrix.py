@@ -266,16 +266,16 @@ def run_fault(fault: str, net, work: Path, lease_s: float = LEASE_S, pace_ms: fl
         a2 = store.get_attempt(job_id, 2) if job.attempt >= 2 else None
         resumed = int(a2.resume_tag.removeprefix("step_")) if a2 and a2.resume_tag else 0
         leftovers = len(job_processes(job_id))
-        cause = store.get_attempt(job_id, 1).cause or {}
-        a1 = store.get_attempt(job_id, 1).to_dict()
-        a2d = a2.to_dict() if a2 else {}
+        a1 = store.get_attempt(job_id, 1)
+        cause = a1.cause or {}
+        a1d, a2d = a1.to_dict(), a2.to_dict() if a2 else {}
         return {"fault": fault, "detected_s": round(detected, 3), "first_step_s": round(first_step_s, 2),
                 "reached_step": reached, "resumed_from": a2.resume_tag if a2 else None,
                 "steps_lost": reached - resumed, "leftovers": leftovers, "attempt1_gone_s": round(attempt1_gone_s, 1), "final_state": job.state.value,
                 "attempts": job.attempt, "cause": cause.get("kind"), "lost_node": cause.get("node"),
                 "final_cause": (job.cause or {}).get("message") if job.state.value != "SUCCEEDED" else None,
                 # where each attempt ran, its world size, and whether the resume needed a universal conversion
-                "nodes": [a1["nodes"], a2d.get("nodes")], "world_sizes": [a1["world_size"], a2d.get("world_size")],
+                "nodes": [a1d["nodes"], a2d.get("nodes")], "world_sizes": [a1d["world_size"], a2d.get("world_size")],
                 "resume_universal_from": a2d.get("resume_universal_from"),
                 "load_universal": ((a2.plan.get("deepspeed_config") or {}).get("checkpoint") or {}).get(
                     "load_universal") if a2 else None,

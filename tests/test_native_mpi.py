@@ -62,7 +62,7 @@ def _tool_processes(net) -> list[str]:
 
 
 def _spec(write_spec, mpi_hosts, tmp_path: Path, launcher: str, *, steps: int, interval: int = 0,
-          name: str = "native", cluster=None, mode: str = "native", **extra) -> Path:
+          name: str = "native", cluster=None, **extra) -> Path:
     net = mpi_hosts[0]
     env = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     if cluster is not None:  # srun on node 0 finds the test cluster (its env: the exports)
@@ -73,7 +73,7 @@ def _spec(write_spec, mpi_hosts, tmp_path: Path, launcher: str, *, steps: int, i
     config["train_micro_batch_size_per_gpu"] = 4
     p = net.client_params()
     fields = dict(
-        name=name, hostfile=str(hostfile), num_nodes=NODES, provisioner="ssh", launcher=launcher, launch_mode=mode,
+        name=name, hostfile=str(hostfile), num_nodes=NODES, provisioner="ssh", launcher=launcher, launch_mode="native",
         launcher_args=[] if launcher == "slurm" else native_args(launcher, mpi_hosts), workdir=str(EXAMPLES),
         entrypoint="train_gpt.py",
         args=["--steps", str(steps), "--checkpoint-interval", str(interval), *TINY], deepspeed_config=config,
